@@ -1,0 +1,52 @@
+"""The one place that touches the KV-cache API.
+
+Invariant, stated once: between rounds each model's cache holds the keys and values of a prefix of the accepted
+sequence that stops before its last token (the target's holds exactly that; the draft's may stop one token earlier,
+after a fully accepted block). The next forward pass of each model feeds the tokens its cache lacks, so the draft
+catches up on its last accepted token in the same pass that drafts the next block: nothing accepted is recomputed.
+
+Caches are only ever shortened through ``Cache.crop`` (a negative count drops the newest positions); a cache whose
+layers cannot be cropped back exactly is refused before any forward pass.
+"""
+
+from __future__ import annotations
+
+from transformers import Cache, DynamicCache, PreTrainedModel
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """A fresh, rollback-ready cache for ``model`` (the draft's; generate() makes the target's)."""
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    prepare_for_rollback(cache, "assistant_model")
+    return cache
+
+
+def prepare_for_rollback(cache: Cache | None, argument: str) -> None:
+    """Refuse a cache that cannot be cropped back exactly; make sliding-window layers keep what a rollback needs.
+
+    Args:
+        cache: the cache a model will use.
+        argument: the name the user knows this cache by, for the error message.
+    """
+    if not isinstance(cache, DynamicCache) or not cache.is_croppable:
+        layer_types = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
+        raise ValueError(
+            f"Speculative decoding rolls caches back with `DynamicCache.crop`, but `{argument}` uses "
+            f"{type(cache).__name__} (layers: {', '.join(layer_types) or 'none'}), which cannot be cropped back "
+            "exactly. Use the default dynamic cache: do not pass `cache_implementation` (static, quantized, offloaded "
+            "caches) and do not pass a `cache=` of another type."
+        )
+    cache.activate_past_recording()
+
+
+def cache_length(cache: Cache) -> int:
+    """Number of positions the cache holds."""
+    return cache.get_seq_length()
+
+
+def crop_to(cache: Cache, length: int) -> None:
+    """Drop the newest positions so that the cache holds ``length`` of them (never grows it).
+
+    ``crop`` is called even when nothing is dropped: sliding-window layers use it to shrink back to their window.
+    """
+    cache.crop(min(0, length - cache.get_seq_length()))

@@ -1,0 +1,167 @@
+"""`SpeculativeGenerationMixin`: exact speculative decoding behind ``model.generate(assistant_model=...)``.
+
+transformers routes ``generate(assistant_model=draft)`` to ``GenerationMixin._assisted_decoding``. This mixin
+replaces that one method with `hf_spec.decoding.speculative_decode` and adds the checks it needs; every other
+generation mode (and prompt-lookup decoding without a draft) runs transformers' own code unchanged.
+
+Extra ``generate()`` arguments, with ``assistant_model=`` only:
+
+- ``generator``: a ``torch.Generator`` for drafting and acceptance (default: torch's global generator, so
+  ``torch.manual_seed`` reproduces a run);
+- ``num_assistant_tokens``: k, the draft block length; the call wins over the draft's ``generation_config``.
+
+With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
+``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDecoderOnlyOutput
+
+from hf_spec.caches import prepare_for_rollback
+from hf_spec.decoding import speculative_decode
+from hf_spec.stats import SpeculativeStats
+from hf_spec.validation import resolve_num_draft_tokens, validate_model_kwargs, validate_speculative_call
+
+# The hook this module overrides; fail at import rather than silently run transformers' non-exact loop.
+if GENERATION_MODES_MAPPING.get(GenerationMode.ASSISTED_GENERATION) != "_assisted_decoding":
+    raise ImportError(
+        "hf_spec hooks transformers' `_assisted_decoding`, which this transformers version no longer routes to; "
+        "install a supported version (see setup.cfg)."
+    )
+
+
+@dataclasses.dataclass
+class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """transformers' decoder-only generate output plus the speculative statistics of the call."""
+
+    speculative_stats: SpeculativeStats | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallOptions:
+    """The hf_spec arguments of the current ``generate()`` call, which transformers' kwargs handling would reject."""
+
+    generator: torch.Generator | None = None
+    num_assistant_tokens: Any = None
+
+
+_CALL_OPTIONS: contextvars.ContextVar[_CallOptions] = contextvars.ContextVar("hf_spec_call", default=_CallOptions())
+
+
+class SpeculativeGenerationMixin(GenerationMixin):
+    """A `GenerationMixin` whose assisted decoding is exact speculative decoding.
+
+    Mix it in before the model class (see `speculative`), then call ``generate`` as usual::
+
+        >>> model = speculative(AutoModelForCausalLM.from_pretrained(...))
+        >>> out = model.generate(**inputs, assistant_model=draft, do_sample=True, temperature=0.7,
+        ...                      num_assistant_tokens=5, return_dict_in_generate=True)
+        >>> out.speculative_stats.acceptance_rate
+    """
+
+    def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None, **kwargs):
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
+        num_assistant_tokens = kwargs.get("num_assistant_tokens", getattr(generation_config, "num_assistant_tokens", None))
+        token = _CALL_OPTIONS.set(_CallOptions(generator=generator, num_assistant_tokens=num_assistant_tokens))
+        try:
+            return super().generate(inputs, generation_config, *args, **kwargs)
+        finally:
+            _CALL_OPTIONS.reset(token)
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        draft = generation_mode_kwargs.get("assistant_model")
+        options = _CALL_OPTIONS.get()
+        if draft is None:
+            if options.generator is not None:
+                raise ValueError("`generator` is used by speculative decoding only; pass `assistant_model=` too.")
+            return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+        validate_speculative_call(self, draft, generation_config, generation_mode_kwargs, options.num_assistant_tokens)
+        # transformers' own assistant checks (tokenizer rules of universal assisted decoding) do not apply here.
+        others = {key: value for key, value in generation_mode_kwargs.items() if key != "assistant_model"}
+        return super()._validate_generation_mode(generation_mode, generation_config, others)
+
+    def _assisted_decoding(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        inputs_tensor=None,
+        assistant_model=None,
+        assistant_tokenizer=None,
+        tokenizer=None,
+        **model_kwargs,
+    ):
+        if assistant_model is None:  # prompt-lookup decoding and other draft-free modes stay transformers'
+            return super()._assisted_decoding(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+                streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
+                assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
+            )
+        if synced_gpus:
+            raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"hf_spec runs speculative decoding on one sequence at a time for now, but `input_ids` has batch "
+                f"size {input_ids.shape[0]}."
+            )
+        validate_model_kwargs(model_kwargs)
+        target_cache = model_kwargs["cache"]
+        prepare_for_rollback(target_cache, "cache")
+        options = _CALL_OPTIONS.get()
+        result = speculative_decode(
+            self,
+            assistant_model,
+            input_ids,
+            model_kwargs.get("attention_mask"),
+            target_cache,
+            num_draft_tokens=resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model),
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            generation_config=generation_config,
+            generator=options.generator,
+            streamer=streamer,
+        )
+        if not generation_config.return_dict_in_generate:
+            return result.sequences
+        return SpeculativeDecoderOnlyOutput(
+            sequences=result.sequences,
+            scores=result.scores,
+            logits=result.logits,
+            cache=target_cache,
+            speculative_stats=result.stats,
+        )
+
+
+def speculative(model: PreTrainedModel) -> PreTrainedModel:
+    """Give ``model`` exact speculative decoding; returns the same object (weights untouched), idempotently.
+
+    The model's class is swapped for a subclass that mixes in `SpeculativeGenerationMixin` and keeps the original
+    class name, so ``save_pretrained`` and ``config.architectures`` are unaffected.
+    """
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise TypeError(f"`model` must be a transformers generative PreTrainedModel, but is {type(model).__name__}.")
+    if not isinstance(model, SpeculativeGenerationMixin):
+        model.__class__ = _speculative_class(type(model))
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _speculative_class(model_class: type) -> type:
+    return type(
+        model_class.__name__,
+        (SpeculativeGenerationMixin, model_class),
+        {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__, "__doc__": model_class.__doc__},
+    )

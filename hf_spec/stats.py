@@ -1,0 +1,82 @@
+"""What a speculative `generate()` call did: rounds, proposals, acceptances, time spent drafting and verifying."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counters of one speculative ``generate()`` call.
+
+    A round is one target forward pass over a drafted block. Acceptance counts are what the acceptance rule decided;
+    ``num_emitted`` is what reached the output (a stopping criterion may cut a block short).
+
+    Attributes:
+        num_rounds: target forward passes.
+        num_draft_tokens: tokens proposed by the draft, over all rounds.
+        num_accepted: proposed tokens the target accepted.
+        num_emitted: tokens appended to the output (accepted, recovered and bonus tokens, after stopping).
+        accepted_by_position: ``accepted_by_position[i]`` counts rounds whose draft token at block position ``i``
+            was accepted.
+        proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``.
+        draft_seconds: wall-clock time in draft forward passes and draft sampling.
+        verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
+    """
+
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0
+    accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+    proposed_by_position: list[int] = dataclasses.field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0.0 before any proposal)."""
+        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens emitted per target forward pass, recovered and bonus tokens included."""
+        return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate_by_position(self) -> list[float]:
+        """Per block position: accepted / proposed (0.0 where nothing was proposed)."""
+        return [a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.proposed_by_position)]
+
+    def record_round(self, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one round that proposed ``num_draft_tokens``, accepted ``num_accepted`` and emitted ``num_emitted``."""
+        _grow(self.accepted_by_position, num_draft_tokens)
+        _grow(self.proposed_by_position, num_draft_tokens)
+        for position in range(num_draft_tokens):
+            self.proposed_by_position[position] += 1
+            self.accepted_by_position[position] += position < num_accepted
+        self.num_rounds += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted += num_accepted
+        self.num_emitted += num_emitted
+
+    def to_dict(self) -> dict:
+        """Every counter and derived rate, JSON-ready."""
+        return {
+            **dataclasses.asdict(self),
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_round": self.tokens_per_round,
+            "acceptance_rate_by_position": self.acceptance_rate_by_position,
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"rounds {self.num_rounds}, proposed {self.num_draft_tokens}, accepted {self.num_accepted} "
+            f"({self.acceptance_rate:.1%}), {self.tokens_per_round:.2f} tokens per target pass, "
+            f"drafting {self.draft_seconds:.2f} s, verifying {self.verify_seconds:.2f} s"
+        )
+
+
+def _grow(counts: list[int], length: int) -> None:
+    counts.extend([0] * (length - len(counts)))
+

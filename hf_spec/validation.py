@@ -1,0 +1,117 @@
+"""Checks at the public boundary of speculative `generate()`: each error names the argument and its value."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+
+#: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
+DEFAULT_NUM_DRAFT_TOKENS = 5
+
+#: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
+SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
+
+
+def resolve_num_draft_tokens(call_value: Any, draft: PreTrainedModel) -> int:
+    """k: ``num_assistant_tokens`` from the call, else from the draft's generation config, else the default.
+
+    transformers reads it only from the draft's config; here the call wins.
+    """
+    value = call_value
+    if value is None:
+        value = getattr(draft.generation_config, "num_assistant_tokens", None)
+    if value is None:
+        return DEFAULT_NUM_DRAFT_TOKENS
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(
+            f"`num_assistant_tokens` (the draft block length k) must be a positive integer, but is {value!r} "
+            f"({type(value).__name__})."
+        )
+    return int(value)
+
+
+def validate_speculative_call(
+    target: PreTrainedModel,
+    draft: Any,
+    generation_config: GenerationConfig,
+    generation_mode_kwargs: dict[str, Any],
+    num_assistant_tokens: Any,
+) -> None:
+    """Refuse what the speculative loop cannot do exactly, before any forward pass.
+
+    May set ``generation_config.do_sample = False`` when ``temperature == 0`` (documented: greedy decoding).
+    """
+    if not isinstance(draft, PreTrainedModel):
+        raise TypeError(f"`assistant_model` must be a transformers PreTrainedModel, but is {type(draft).__name__}.")
+    resolve_num_draft_tokens(num_assistant_tokens, draft)
+    for name, model in (("model", target), ("assistant_model", draft)):
+        if model.config.is_encoder_decoder:
+            raise ValueError(
+                f"hf_spec supports decoder-only models; `{name}` ({type(model).__name__}) is an encoder-decoder model."
+            )
+    if draft.device != target.device:
+        raise ValueError(
+            f"`assistant_model` is on {draft.device} but the model is on {target.device}; move the draft to the "
+            f"target's (first) device, e.g. `assistant_model.to({str(target.device)!r})`."
+        )
+    base_mode = generation_config.get_generation_mode()
+    if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"Speculative decoding with `assistant_model` supports greedy decoding and sampling only, but the "
+            f"generation settings select {base_mode.value!r} (num_beams={generation_config.num_beams}, "
+            f"penalty_alpha={generation_config.penalty_alpha}, constraints={generation_config.constraints})."
+        )
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError(
+            "`num_return_sequences` must be 1 with `assistant_model`, but is "
+            f"{generation_config.num_return_sequences}; repeat the prompt in the batch instead."
+        )
+    if generation_config.use_cache is False:
+        raise ValueError("`use_cache=False` cannot be combined with `assistant_model`: speculation needs KV caches.")
+    for flag in ("output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag):
+            raise ValueError(f"`{flag}=True` is not supported with `assistant_model` (hf_spec returns scores/logits).")
+    _validate_sampling_settings(generation_config)
+    _validate_tokenizers(generation_mode_kwargs)
+
+
+def _validate_sampling_settings(generation_config: GenerationConfig) -> None:
+    temperature = generation_config.temperature
+    if temperature is not None and (not isinstance(temperature, numbers.Real) or temperature < 0):
+        raise ValueError(f"`temperature` must be a number >= 0, but is {temperature!r}.")
+    if generation_config.do_sample and temperature == 0:
+        # The limit of sampling as temperature -> 0 is greedy decoding; transformers would raise instead.
+        generation_config.do_sample = False
+    top_p = generation_config.top_p
+    if generation_config.do_sample and top_p is not None and not (0 < top_p <= 1):
+        raise ValueError(f"`top_p` must be in (0, 1], but is {top_p!r}.")
+
+
+def _validate_tokenizers(generation_mode_kwargs: dict[str, Any]) -> None:
+    tokenizer = generation_mode_kwargs.get("tokenizer")
+    assistant_tokenizer = generation_mode_kwargs.get("assistant_tokenizer")
+    if assistant_tokenizer is None:
+        return
+    if tokenizer is None:
+        raise ValueError("`assistant_tokenizer` was given without `tokenizer`; pass both or neither.")
+    if tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
+        raise ValueError(
+            f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}, {len(assistant_tokenizer)} tokens) and "
+            f"`tokenizer` ({type(tokenizer).__name__}, {len(tokenizer)} tokens) have different vocabularies; exact "
+            "speculative decoding needs a draft that shares the target's tokenizer."
+        )
+
+
+def validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+    """Refuse forward kwargs the speculative loop would not pass on (they would be silently ignored)."""
+    unsupported = sorted(
+        key for key, value in model_kwargs.items() if key not in SUPPORTED_MODEL_KWARGS and value is not None
+    )
+    if unsupported:
+        raise ValueError(
+            f"Model inputs {unsupported} are not supported with `assistant_model`; hf_spec feeds `input_ids`, "
+            "`attention_mask` and positions only."
+        )

@@ -1,0 +1,189 @@
+"""The acceptance rule on hand-built tables and on a Markov-chain "model" with an exact law.
+
+Tier 1 (hand-built rows, a comment on each) and tier 2 (statistical, vectorized over many rows, each with
+negative controls that must fail).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hf_spec.rejection import NOT_EMITTED, accept_draft_tokens, accept_greedy, sample_from_weights
+from statistics import fit_sequences
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- tier 1: hand-built tables ------------------------------------------------------------------------------------
+
+
+def test_draft_equal_to_target_accepts_everything_and_adds_a_bonus():
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.0, 1.0, 0.0]]])  # [1, k + 1 = 3, 3]
+    draft_ids = torch.tensor([[0, 2]])
+    output_ids, num_accepted = accept_draft_tokens(draft_ids, p[:, :2], p, _gen())
+    assert num_accepted.tolist() == [2]
+    assert output_ids.tolist() == [[0, 2, 1]]  # the bonus comes from p_3, a point mass on token 1
+
+
+def test_token_the_target_cannot_emit_is_rejected_even_with_a_zero_uniform(monkeypatch):
+    p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])  # p_1 gives token 0 probability 0
+    q = torch.tensor([[[1.0, 0.0]]])  # the draft proposed token 0 with certainty
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(*args[0], dtype=torch.float64))
+    output_ids, num_accepted = accept_draft_tokens(torch.tensor([[0]]), q, p, _gen())
+    assert num_accepted.tolist() == [0]
+    assert output_ids.tolist() == [[1, NOT_EMITTED]]  # recovered from max(0, p - q) = token 1
+
+
+def test_draft_token_with_zero_draft_probability_is_rejected_without_nan():
+    p = torch.tensor([[[0.5, 0.5], [0.5, 0.5]]])
+    q = torch.tensor([[[0.0, 1.0]]])  # contract violation: token 0 "drafted" with q = 0
+    output_ids, num_accepted = accept_draft_tokens(torch.tensor([[0]]), q, p, _gen())
+    assert num_accepted.tolist() == [0]
+    assert output_ids[0, 0].item() == 0  # the residual max(0, p - q) is a point mass on token 0
+
+
+def test_residual_of_identical_laws_falls_back_to_p_instead_of_normalizing_zero():
+    p = torch.tensor([[[0.25, 0.75], [1.0, 0.0]]])
+    q = p[:, :1].clone()
+    # p == q: rejection has probability 0; force the residual path by hand-building a rejection (q > p on token 1).
+    q_forced = torch.tensor([[[0.25, 0.75 + 1e-7]]])
+    for _ in range(20):
+        output_ids, _ = accept_draft_tokens(torch.tensor([[1]]), q_forced, p, _gen(_))
+        assert output_ids[0, 0].item() in (0, 1)
+    output_ids, num_accepted = accept_draft_tokens(torch.tensor([[1]]), q, p, _gen())
+    assert num_accepted.tolist() == [1] and output_ids.tolist() == [[1, 0]]
+
+
+def test_zero_draft_tokens_samples_one_token_from_p():
+    p = torch.tensor([[[0.0, 0.0, 1.0]]])
+    output_ids, num_accepted = accept_draft_tokens(torch.empty(1, 0, dtype=torch.long), torch.empty(1, 0, 3), p, _gen())
+    assert output_ids.tolist() == [[2]] and num_accepted.tolist() == [0]
+
+
+def test_greedy_keeps_the_matching_prefix_then_the_target_token():
+    scores = torch.tensor([[[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0], [0.0, 9.0, 0.0]]])  # argmax 1, 0, 2, 1
+    output_ids, num_accepted = accept_greedy(torch.tensor([[1, 0, 1]]), scores)  # third draft token differs
+    assert num_accepted.tolist() == [2]
+    assert output_ids.tolist() == [[1, 0, 2, NOT_EMITTED]]
+    output_ids, num_accepted = accept_greedy(torch.tensor([[1, 0, 2]]), scores)  # all match: bonus argmax 1
+    assert output_ids.tolist() == [[1, 0, 2, 1]] and num_accepted.tolist() == [3]
+
+
+def test_sample_from_weights_never_picks_a_zero_weight_and_matches_proportions():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 6.0]]).expand(200_000, 4)  # unnormalized: 1/4 and 3/4
+    samples = sample_from_weights(weights, _gen())
+    counts = torch.bincount(samples, minlength=4).double() / samples.numel()
+    assert counts[0] == 0 and counts[2] == 0
+    assert abs(counts[3].item() - 0.75) < 0.005
+
+
+def test_same_generator_seed_reproduces_the_same_tokens():
+    p = torch.softmax(torch.randn(4, 4, 10, generator=_gen(1)), dim=-1)
+    q = torch.softmax(torch.randn(4, 3, 10, generator=_gen(2)), dim=-1)
+    draft_ids = sample_from_weights(q, _gen(3))
+    first = accept_draft_tokens(draft_ids, q, p, _gen(7))
+    second = accept_draft_tokens(draft_ids, q, p, _gen(7))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+# ---- tier 2: statistical exactness on a Markov-chain model --------------------------------------------------------
+# The "models" are Markov chains: target p(x | previous token) and draft q(x | previous token). The output stream of
+# repeated rounds must have the law of the chain p: P(z1, z2, z3) = p(z1 | s) p(z2 | z1) p(z3 | z2).
+
+VOCAB = 5
+NUM_TOKENS = 3  # more than k = 2, so bonus tokens and a second round are covered
+
+
+def _chains(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = _gen(seed)
+    p = torch.softmax(2.0 * torch.randn(VOCAB, VOCAB, generator=generator), dim=-1)  # [prev, next]
+    q = torch.softmax(2.0 * torch.randn(VOCAB, VOCAB, generator=generator), dim=-1)
+    p[:, 3] = 0  # a token the target never emits ...
+    q[0, 3] = 0.3  # ... that the draft proposes after token 0
+    return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+
+def _run_stream(accept, p_chain, q_chain, k, num_rows, generator) -> np.ndarray:
+    """First NUM_TOKENS tokens of each row's speculative stream, rows started from token 0: ``[rows, NUM_TOKENS]``."""
+    rows = torch.arange(num_rows)
+    previous = torch.zeros(num_rows, dtype=torch.long)
+    stream = torch.zeros(num_rows, NUM_TOKENS, dtype=torch.long)
+    count = torch.zeros(num_rows, dtype=torch.long)
+    while (count < NUM_TOKENS).any():
+        draft_ids, draft_probs, context = [], [], previous
+        for _ in range(k):
+            probs = q_chain[context]  # [rows, vocab]
+            context = sample_from_weights(probs, generator)
+            draft_probs.append(probs)
+            draft_ids.append(context)
+        draft_ids = torch.stack(draft_ids, dim=1)  # [rows, k]
+        contexts = torch.cat([previous.unsqueeze(1), draft_ids], dim=1)  # [rows, k + 1]
+        output_ids, num_accepted = accept(draft_ids, torch.stack(draft_probs, dim=1), p_chain[contexts], generator)
+        for j in range(k + 1):
+            is_new = (j <= num_accepted) & (count < NUM_TOKENS)
+            stream[rows[is_new], count[is_new]] = output_ids[is_new, j]
+            count += is_new.long()
+        previous = output_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return stream.numpy()
+
+
+def _exact_law(p_chain: torch.Tensor) -> np.ndarray:
+    p = p_chain.double().numpy()
+    return np.einsum("a,ab,bc->abc", p[0], p, p)
+
+
+def _always_accept(draft_ids, draft_probs, target_probs, generator):
+    k = draft_ids.shape[1]
+    return accept_draft_tokens(draft_ids, draft_probs, torch.cat([draft_probs, target_probs[:, k:]], 1), generator)
+
+
+def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
+    output_ids, num_accepted = accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
+    at = num_accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])
+    from_p = sample_from_weights(target_probs.gather(1, at).squeeze(1), generator)
+    is_rejected = num_accepted < draft_ids.shape[1]
+    output_ids[is_rejected] = output_ids[is_rejected].scatter(1, num_accepted[is_rejected, None], from_p[is_rejected, None])
+    return output_ids, num_accepted
+
+
+def _bonus_from_wrong_position(draft_ids, draft_probs, target_probs, generator):
+    k = draft_ids.shape[1]
+    shifted = torch.cat([target_probs[:, :k], target_probs[:, k - 1 : k]], dim=1)
+    return accept_draft_tokens(draft_ids, draft_probs, shifted, generator)
+
+
+def _q_from_wrong_row(draft_ids, draft_probs, target_probs, generator):
+    return accept_draft_tokens(draft_ids, draft_probs.roll(1, dims=0), target_probs, generator)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_stream_has_the_target_law(k):
+    p_chain, q_chain = _chains(seed=0)
+    samples = _run_stream(accept_draft_tokens, p_chain, q_chain, k, 100_000, _gen(k))
+    result = fit_sequences(samples, _exact_law(p_chain))
+    assert result.is_consistent, result
+
+
+@pytest.mark.parametrize(
+    "broken", [_always_accept, _resample_from_p, _bonus_from_wrong_position, _q_from_wrong_row], ids=lambda f: f.__name__
+)
+def test_negative_control_broken_sampler_is_caught(broken):
+    p_chain, q_chain = _chains(seed=0)
+    samples = _run_stream(broken, p_chain, q_chain, 2, 100_000, _gen(11))
+    result = fit_sequences(samples, _exact_law(p_chain))
+    assert not result.is_consistent, result
+
+
+def test_acceptance_rate_is_one_minus_total_variation():
+    p_chain, q_chain = _chains(seed=0)
+    num_rows = 200_000
+    context = torch.zeros(num_rows, dtype=torch.long)
+    draft_ids = sample_from_weights(q_chain[context], _gen(5)).unsqueeze(1)
+    target_probs = torch.stack([p_chain[context], p_chain[draft_ids[:, 0]]], dim=1)
+    _, num_accepted = accept_draft_tokens(draft_ids, q_chain[context].unsqueeze(1), target_probs, _gen(6))
+    expected = 1 - 0.5 * (p_chain[0] - q_chain[0]).abs().sum().item()
+    assert abs(num_accepted.double().mean().item() - expected) < 4 * (0.25 / num_rows) ** 0.5
