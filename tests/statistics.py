@@ -27,8 +27,8 @@ class FitResult:
 def fit_sequences(samples: np.ndarray, exact_law: np.ndarray) -> FitResult:
     """Compare ``samples`` ``[N, T]`` (token ids < V) with ``exact_law`` ``[V] * T`` (sums to 1).
 
-    Chi-square on the V**T cells, pooling the cells whose expected count is below 5 into one; TV bound
-    ``3 * sqrt(cells / N)``, a few standard deviations of the empirical TV of a correct sampler.
+    Chi-square on the V**T cells, pooling the cells whose expected count is below 5 into one. TV bound
+    ``sqrt(cells / N)``: the empirical TV of a correct sampler has mean at most ``sqrt(cells / (2 pi N))``.
     """
     exact_law = exact_law / exact_law.sum()  # float32 model probabilities sum to 1 only up to rounding
     num_tokens = exact_law.ndim
@@ -48,4 +48,4 @@ def fit_sequences(samples: np.ndarray, exact_law: np.ndarray) -> FitResult:
         p_value = float(stats.chisquare(observed_pooled[keep], expected_pooled[keep]).pvalue)
     total_variation = 0.5 * float(np.abs(observed / num_samples - exact_law.reshape(-1)).sum())
     num_cells = int(np.count_nonzero(exact_law.reshape(-1) > 1e-9))
-    return FitResult(p_value, total_variation, 3.0 * np.sqrt(num_cells / num_samples), num_samples)
+    return FitResult(p_value, total_variation, float(np.sqrt(num_cells / num_samples)), num_samples)

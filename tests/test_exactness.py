@@ -1,0 +1,123 @@
+"""Statistical exactness end to end: ``generate(assistant_model=...)`` against the target's enumerated law.
+
+The exact reference: the target's processed next-token law on every prefix of up to two generated tokens (the chain
+that transformers' target-only sampling builds, applied by transformers), giving the joint law of the first three
+generated tokens. Three tokens is more than most block lengths here, so bonus tokens and second rounds are covered.
+Each family of bug has a negative control that must fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import hf_spec.decoding
+import hf_spec.rejection
+from conftest import make_noisy_copy, make_tiny_model
+from hf_spec import speculative
+from statistics import fit_sequences
+
+VOCAB = 4
+NUM_TOKENS = 3
+NUM_SAMPLES = 1500
+PROMPT = torch.tensor([[1, 3, 2]])
+
+
+class BanSuccessorOfLastToken(LogitsProcessor):
+    """A user processor that depends on the prefix: token (last + 1) % vocab is never allowed."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        banned = (input_ids[:, -1:] + 1) % scores.shape[-1]
+        return scores.scatter(1, banned, float("-inf"))
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return speculative(make_tiny_model(seed=10, vocab_size=VOCAB, num_layers=1, head_scale=3.0))
+
+
+@pytest.fixture(scope="module")
+def small_draft(small_target):
+    """Close enough to the target for about 50% acceptance: both acceptance and rejection paths are exercised."""
+    return make_noisy_copy(small_target, seed=12, noise=1.0)
+
+
+def exact_law(model, settings: dict, user_processors: list) -> np.ndarray:
+    """``[V, V, V]``: P(first three generated tokens) under target-only sampling with ``settings``."""
+    generation_config, _ = model._prepare_generation_config(None, do_sample=True, **settings)
+    model._prepare_special_tokens(generation_config, True, device=PROMPT.device)
+    chain = model._get_logits_processor(
+        generation_config=generation_config, input_ids_seq_length=PROMPT.shape[1], encoder_input_ids=PROMPT,
+        logits_processor=LogitsProcessorList(user_processors), device="cpu", model_kwargs={},
+    )
+    path_probs = np.ones(1)  # P(prefix) for every prefix of the current depth, in itertools.product order
+    for depth in range(NUM_TOKENS):
+        prefixes = list(itertools.product(range(VOCAB), repeat=depth))
+        ids = torch.cat([PROMPT.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), depth)], 1)
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].float()
+        probs = chain(ids, logits).softmax(-1).double().numpy()  # [prefixes, V]: p(next | prefix)
+        path_probs = (path_probs.reshape(-1, 1) * probs).reshape(-1)
+    return path_probs.reshape([VOCAB] * NUM_TOKENS)
+
+
+def sample_speculative(target, draft, settings: dict, user_processors: list, k: int, seed: int) -> np.ndarray:
+    generator = torch.Generator().manual_seed(seed)
+    samples = [
+        target.generate(
+            PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+            num_assistant_tokens=k, generator=generator, logits_processor=LogitsProcessorList(user_processors),
+            **settings,
+        )[0, PROMPT.shape[1] :].tolist()
+        for _ in range(NUM_SAMPLES)
+    ]
+    return np.array(samples)
+
+
+CASES = {
+    "temperature_1": (1, {}, []),
+    "temperature_0.7_top_k": (2, {"temperature": 0.7, "top_k": 3}, []),
+    "top_p_repetition_penalty": (3, {"top_p": 0.9, "repetition_penalty": 3.0}, []),
+    "min_p_typical": (2, {"min_p": 0.1, "typical_p": 0.9}, []),
+    "epsilon_no_repeat_ngram": (2, {"epsilon_cutoff": 0.02, "no_repeat_ngram_size": 2}, []),
+    "eta_user_processor_k5": (5, {"eta_cutoff": 0.01}, [BanSuccessorOfLastToken()]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_samples_the_target_law(small_target, small_draft, case):
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=len(case))
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
+    """Broken: a rejection resamples from p instead of max(0, p - q)."""
+    output_ids, num_accepted = hf_spec.rejection.accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
+    j = num_accepted[0].item()
+    if j < draft_ids.shape[1]:
+        output_ids[0, j] = hf_spec.rejection.sample_from_weights(target_probs[0, j], generator)
+    return output_ids, num_accepted
+
+
+def _block_without_draft_prefix(processors, prefix_ids, block_ids, logits):
+    """Broken: every block position is processed as if it followed the prefix alone."""
+    return torch.stack([processors(prefix_ids, logits[:, i].clone()) for i in range(logits.shape[1])], dim=1)
+
+
+@pytest.mark.parametrize(
+    "patch, case",
+    [("accept_draft_tokens", "temperature_1"), ("process_block", "eta_user_processor_k5")],
+)
+def test_negative_control_broken_loop_is_caught(small_target, small_draft, monkeypatch, patch, case):
+    broken = {"accept_draft_tokens": _resample_from_p, "process_block": _block_without_draft_prefix}[patch]
+    monkeypatch.setattr(hf_spec.decoding, patch, broken)
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=99)
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert not result.is_consistent, result
