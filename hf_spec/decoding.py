@@ -160,12 +160,17 @@ def _draft_block(
         is_invalid: 0-dim bool tensor, true if any draft logits were NaN or infinite.
     """
     batch_size = sequence_ids.shape[0]
+    # Ids past the draft's embedding rows (padding rows of a larger target) are only conditioning for the draft:
+    # clamping them changes q, which stays the exact law the draft samples from.
+    max_draft_id = draft.get_input_embeddings().num_embeddings - 1
     draft_ids = sequence_ids.new_empty((batch_size, 0))
     probs = []
     is_invalid = torch.zeros((), dtype=torch.bool, device=sequence_ids.device)
     for i in range(k):
         prefix_ids = torch.cat([sequence_ids, draft_ids], dim=1)  # [batch, length + i]
-        logits = _forward_missing(draft, draft_cache, prefix_ids, _extend_mask(attention_mask, i), num_logits=1)
+        logits = _forward_missing(
+            draft, draft_cache, prefix_ids.clamp(max=max_draft_id), _extend_mask(attention_mask, i), num_logits=1
+        )
         logits = align_vocab(logits[:, 0], vocab_size)  # [batch, vocab]
         step_scores = process_step(logits_processor, prefix_ids, logits)
         is_invalid |= _has_invalid_values(logits) | _has_invalid_values(step_scores)

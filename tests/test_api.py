@@ -1,0 +1,158 @@
+"""Public API: `speculative()`, argument precedence, reproducibility, statistics, vocabularies, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig, StaticCache
+
+from conftest import make_tiny_model
+from hf_spec import SpeculativeGenerationMixin, speculative
+from test_stopping import letters_tokenizer
+
+PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
+
+
+def test_speculative_is_idempotent_keeps_weights_and_class_name():
+    model = make_tiny_model(seed=5)
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    class_name = type(model).__name__
+    same = speculative(speculative(model))
+    assert same is model and isinstance(model, SpeculativeGenerationMixin)
+    assert type(model).__name__ == class_name
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+
+
+def test_other_generation_modes_behave_exactly_as_before(target):
+    plain = make_tiny_model(seed=0)  # same weights as the `target` fixture, not made speculative
+    for kwargs in ({"do_sample": False}, {"num_beams": 3, "do_sample": False}, {"prompt_lookup_num_tokens": 2}):
+        assert torch.equal(target.generate(PROMPT, max_new_tokens=12, **kwargs), plain.generate(PROMPT, max_new_tokens=12, **kwargs))
+    torch.manual_seed(0)
+    ours = target.generate(PROMPT, max_new_tokens=12, do_sample=True)
+    torch.manual_seed(0)
+    assert torch.equal(ours, plain.generate(PROMPT, max_new_tokens=12, do_sample=True))
+
+
+def test_seed_and_generator_reproduce_the_output(target, close_draft):
+    def run(**kwargs):
+        return target.generate(PROMPT, assistant_model=close_draft, do_sample=True, max_new_tokens=40, **kwargs)
+
+    torch.manual_seed(123)
+    first = run()
+    torch.manual_seed(123)
+    assert torch.equal(first, run())
+    with_generator = run(generator=torch.Generator().manual_seed(7))
+    assert torch.equal(with_generator, run(generator=torch.Generator().manual_seed(7)))
+
+
+def test_num_assistant_tokens_from_the_call_wins_over_the_draft_config(target):
+    draft = make_tiny_model(seed=0)
+    draft.generation_config.num_assistant_tokens = 2
+
+    def proposed_per_round(**kwargs):
+        stats = target.generate(
+            PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=30, return_dict_in_generate=True, **kwargs
+        ).speculative_stats
+        return len(stats.proposed_by_position)
+
+    assert proposed_per_round() == 2
+    assert proposed_per_round(num_assistant_tokens=4) == 4
+    assert proposed_per_round(generation_config=GenerationConfig(num_assistant_tokens=3, max_new_tokens=30)) == 3
+
+
+def test_stats_add_up(target, close_draft):
+    output = target.generate(
+        PROMPT, assistant_model=close_draft, do_sample=True, max_new_tokens=50, num_assistant_tokens=3,
+        return_dict_in_generate=True,
+    )
+    stats = output.speculative_stats
+    assert stats.num_emitted == output.sequences.shape[1] - PROMPT.shape[1] == 50
+    assert stats.num_draft_tokens == sum(stats.proposed_by_position)
+    assert stats.num_accepted == sum(stats.accepted_by_position)
+    assert stats.acceptance_rate == stats.num_accepted / stats.num_draft_tokens
+    assert stats.tokens_per_round == 50 / stats.num_rounds
+    # Every round emits its accepted tokens plus one, except where the budget cut the last block.
+    assert stats.num_emitted <= stats.num_accepted + stats.num_rounds
+    assert stats.draft_seconds > 0 and stats.verify_seconds > 0
+    assert set(stats.to_dict()) >= {"num_rounds", "acceptance_rate", "tokens_per_round", "accepted_by_position"}
+
+
+@pytest.mark.parametrize("draft_vocab", [12, 16, 20])
+def test_draft_with_other_embedding_row_count_works_and_never_emits_unknown_ids(draft_vocab):
+    target = speculative(make_tiny_model(seed=0, vocab_size=16))
+    draft = make_tiny_model(seed=0, vocab_size=draft_vocab)
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=30)
+    assert torch.equal(target.generate(PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=30), expected)
+    sampled = target.generate(PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=200)
+    assert sampled.max().item() < 16
+
+
+def test_same_tokenizer_passed_twice_is_accepted_and_different_vocabularies_are_refused(target, close_draft):
+    tokenizer = letters_tokenizer(16)
+    kwargs = {"assistant_model": close_draft, "max_new_tokens": 5, "tokenizer": tokenizer}
+    target.generate(PROMPT, assistant_tokenizer=letters_tokenizer(16), **kwargs)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        target.generate(PROMPT, assistant_tokenizer=letters_tokenizer(12), **kwargs)
+
+
+def test_temperature_zero_takes_the_greedy_path(target, close_draft):
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=20)
+    output = target.generate(PROMPT, assistant_model=close_draft, do_sample=True, temperature=0.0, max_new_tokens=20)
+    assert torch.equal(output, expected)
+
+
+BAD_INPUTS = [
+    ({"num_assistant_tokens": 0}, "num_assistant_tokens.*0"),
+    ({"num_assistant_tokens": -2}, "num_assistant_tokens.*-2"),
+    ({"num_assistant_tokens": 2.5}, "num_assistant_tokens.*2.5"),
+    ({"num_assistant_tokens": True}, "num_assistant_tokens.*True"),
+    ({"do_sample": True, "temperature": -0.5}, "temperature.*-0.5"),
+    ({"do_sample": True, "top_p": 1.5}, "top_p.*1.5"),
+    ({"do_sample": True, "top_p": 0.0}, "top_p.*0.0"),
+    ({"num_beams": 2}, "num_beams=2"),
+    ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences.*2"),
+    ({"use_cache": False}, "use_cache"),
+    ({"output_attentions": True}, "output_attentions"),
+    ({"cache_implementation": "static"}, "StaticCache"),
+    ({"generator": 42}, "generator.*int"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_INPUTS, ids=[str(b[0]) for b in BAD_INPUTS])
+def test_bad_input_is_a_clear_error_naming_the_argument(target, close_draft, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=5, **kwargs)
+
+
+def test_bad_draft_and_cache_objects_are_refused(target, close_draft):
+    with pytest.raises(TypeError, match="assistant_model"):
+        target.generate(PROMPT, assistant_model="small-model", max_new_tokens=5)
+    with pytest.raises(ValueError, match="batch size 2"):
+        target.generate(PROMPT.repeat(2, 1), assistant_model=close_draft, max_new_tokens=5)
+    static = StaticCache(config=target.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="StaticCache"):
+        target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=5, cache=static)
+    with pytest.raises(ValueError, match="generator"):
+        target.generate(PROMPT, max_new_tokens=5, generator=torch.Generator())
+
+
+def test_nan_logits_raise_a_clear_error(target):
+    broken = make_tiny_model(seed=0)
+    with torch.no_grad():
+        broken.lm_head.weight[3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"assistant_model \(draft\) produced NaN"):
+        target.generate(PROMPT, assistant_model=broken, do_sample=True, max_new_tokens=5)
+    cache = DynamicCache(config=target.config)
+    nan_target = speculative(make_tiny_model(seed=0))
+    with torch.no_grad():
+        nan_target.lm_head.weight[3, 0] = float("inf")
+    with pytest.raises(ValueError, match="target model produced NaN"):
+        nan_target.generate(PROMPT, assistant_model=target, do_sample=False, max_new_tokens=5, cache=cache)
+    assert cache.get_seq_length() <= PROMPT.shape[1] - 1  # rolled back: nothing uncommitted stays cached
+
+
+def test_draft_on_another_device_is_refused(target):
+    draft = make_tiny_model(seed=1)
+    draft.__class__ = type("ElsewhereLlama", (type(draft),), {"device": property(lambda self: torch.device("meta"))})
+    with pytest.raises(ValueError, match="assistant_model.*meta"):
+        target.generate(PROMPT, assistant_model=draft, max_new_tokens=5)
