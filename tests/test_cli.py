@@ -1,0 +1,32 @@
+"""The ``hf-spec generate`` main job runs end to end on the built-in pair."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_spec.cli import main
+from hf_spec.models import build_tiny_pair
+
+
+def test_generate_prints_tokens_and_statistics(capsys):
+    assert main(["generate", "--max-new-tokens", "20", "--do-sample", "--temperature", "0.7", "--json"]) == 0
+    output = capsys.readouterr().out
+    report = json.loads(output[output.index("{") :])
+    assert report["new_tokens"] == 20
+    assert 0.0 <= report["acceptance_rate"] <= 1.0 and report["num_rounds"] > 0
+    assert report["speculative_tokens_per_second"] > 0 and report["target_only_tokens_per_second"] > 0
+
+
+def test_generate_rejects_bad_prompt_ids():
+    with pytest.raises(SystemExit, match="prompt-ids"):
+        main(["generate", "--prompt-ids", "1 x 3"])
+
+
+def test_built_in_pair_greedy_matches_target_only():
+    target, draft = build_tiny_pair(seed=3)
+    prompt = torch.tensor([[1, 2, 3]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    assert torch.equal(target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=60), expected)
