@@ -13,6 +13,8 @@ are refused too, until per-row rollback lands.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import time
 
 import torch
@@ -213,10 +215,16 @@ def _forward_missing(
     inputs = {"input_ids": sequence_ids[:, num_cached:], "position_ids": position_ids, "cache": cache}
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask
-    if model._supports_logits_to_keep():
+    if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
     logits = model(**inputs, use_cache=True).logits[:, -num_logits:]
     return logits.to(dtype=torch.float32, copy=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _supports_logits_to_keep(model_class: type) -> bool:
+    """Whether ``forward`` takes ``logits_to_keep`` (transformers inspects the signature on every call)."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -268,15 +276,22 @@ def _count_until_stop(
     """How many of ``new_ids`` ``[batch, m]`` to keep, and whether generation is done.
 
     The criteria are asked after each new token in turn, with the sequence as target-only decoding would have it, so
-    an EOS, stop string, length limit or custom criterion met inside a block cuts the block right there.
+    an EOS, stop string, length limit or custom criterion met inside a block cuts the block right there. All ``m``
+    answers are gathered before one host synchronization.
     """
     num_new = new_ids.shape[1]
-    for num_kept in range(1, num_new + 1):
-        candidate_ids = torch.cat([sequence_ids, new_ids[:, :num_kept]], dim=1)
-        candidate_scores = None if scores is None else scores + tuple(new_scores[:, i] for i in range(num_kept))
-        if stopping_criteria(candidate_ids, candidate_scores).all():
-            return num_kept, True
-    return num_new, False
+    candidate_ids = torch.cat([sequence_ids, new_ids], dim=1)  # [batch, length + m]
+    length = sequence_ids.shape[1]
+    is_done = torch.stack(
+        [
+            stopping_criteria(
+                candidate_ids[:, : length + j],
+                None if scores is None else scores + tuple(new_scores[:, i] for i in range(j)),
+            ).all()
+            for j in range(1, num_new + 1)
+        ]
+    ).tolist()  # [m]: done after new token j
+    return (is_done.index(True) + 1, True) if True in is_done else (num_new, False)
 
 
 def _roll_back(target_cache, draft_cache, length: int) -> None:
