@@ -86,8 +86,7 @@ def speculative_decode(
             started = time.perf_counter()
             draft_ids, draft_probs, is_draft_invalid = _draft_block(
                 draft, draft_cache, sequence_ids, attention_mask, logits_processor, k,
-                vocab_size=vocab_size,
-                do_sample=do_sample, generator=generator,
+                vocab_size=vocab_size, do_sample=do_sample, generator=generator,
             )  # [batch, k], [batch, k, vocab] or None
             drafted = time.perf_counter()
 
@@ -108,7 +107,7 @@ def speculative_decode(
                 )
             else:
                 output_ids, num_accepted = accept_greedy(draft_ids, block_scores)
-            # The round's one host synchronization: accepted counts and the numerical checks.
+            # Host synchronization 1 of 2 per round: accepted counts with the numerical checks (2: stopping answers).
             num_accepted_row, draft_bad, target_bad = torch.cat(
                 [num_accepted, is_draft_invalid.view(1), is_target_invalid.view(1)]
             ).tolist()
