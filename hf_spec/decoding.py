@@ -220,7 +220,7 @@ def _forward_missing(
     return logits.to(dtype=torch.float32, copy=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _supports_logits_to_keep(model_class: type) -> bool:
     """Whether ``forward`` takes ``logits_to_keep`` (transformers inspects the signature on every call)."""
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters

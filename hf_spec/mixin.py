@@ -54,7 +54,11 @@ class _CallOptions:
     num_assistant_tokens: Any = None
 
 
-_CALL_OPTIONS: contextvars.ContextVar[_CallOptions] = contextvars.ContextVar("hf_spec_call", default=_CallOptions())
+_CALL_OPTIONS: contextvars.ContextVar[_CallOptions | None] = contextvars.ContextVar("hf_spec_call", default=None)
+
+
+def _call_options() -> _CallOptions:
+    return _CALL_OPTIONS.get() or _CallOptions()
 
 
 class SpeculativeGenerationMixin(GenerationMixin):
@@ -80,7 +84,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         draft = generation_mode_kwargs.get("assistant_model")
-        options = _CALL_OPTIONS.get()
+        options = _call_options()
         if draft is None:
             if options.generator is not None:
                 raise ValueError("`generator` is used by speculative decoding only; pass `assistant_model=` too.")
@@ -120,7 +124,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
         validate_model_kwargs(model_kwargs)
         target_cache = model_kwargs["cache"]
         prepare_for_rollback(target_cache, "cache")
-        options = _CALL_OPTIONS.get()
+        options = _call_options()
         result = speculative_decode(
             self,
             assistant_model,
@@ -158,7 +162,7 @@ def speculative(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _speculative_class(model_class: type) -> type:
     return type(
         model_class.__name__,

@@ -113,7 +113,7 @@ def accept_greedy(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple
 
 def _assemble_output(draft_ids: torch.Tensor, num_accepted: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     """``[batch, k + 1]``: accepted draft tokens, the next token at ``num_accepted``, then ``NOT_EMITTED``."""
-    batch_size, k = draft_ids.shape
+    k = draft_ids.shape[1]
     output_ids = F.pad(draft_ids, (0, 1), value=NOT_EMITTED)  # [batch, k + 1]
     output_ids.scatter_(1, num_accepted.unsqueeze(1), next_ids.unsqueeze(1))
     positions = torch.arange(k + 1, device=draft_ids.device)  # [k + 1]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_model
+from test_stopping import letters_tokenizer
 from transformers import DynamicCache, GenerationConfig, StaticCache
 
-from conftest import make_tiny_model
 from hf_spec import SpeculativeGenerationMixin, speculative
-from test_stopping import letters_tokenizer
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
 

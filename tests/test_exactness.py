@@ -13,13 +13,13 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import make_noisy_copy, make_tiny_model
+from goodness_of_fit import fit_sequences
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_spec.decoding
 import hf_spec.rejection
-from conftest import make_noisy_copy, make_tiny_model
 from hf_spec import speculative
-from statistics import fit_sequences
 
 VOCAB = 4
 NUM_TOKENS = 3

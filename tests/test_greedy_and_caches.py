@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_model
 
 import hf_spec.decoding
-from conftest import make_tiny_model
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from goodness_of_fit import fit_sequences
 
 from hf_spec.rejection import NOT_EMITTED, accept_draft_tokens, accept_greedy, sample_from_weights
-from statistics import fit_sequences
 
 
 def _gen(seed: int = 0) -> torch.Generator:
