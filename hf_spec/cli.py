@@ -77,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     speculative_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    target.generate(prompt, **settings)
+    target_only_ids = target.generate(prompt, **settings)
     target_only_seconds = time.perf_counter() - started
 
     stats = output.speculative_stats
@@ -86,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
         **stats.to_dict(),
         "new_tokens": num_new,
         "speculative_tokens_per_second": num_new / speculative_seconds,
-        "target_only_tokens_per_second": args.max_new_tokens / target_only_seconds,
+        "target_only_tokens_per_second": (target_only_ids.shape[1] - prompt.shape[1]) / target_only_seconds,
     }
     if args.json:
         print(json.dumps(report, indent=2))

@@ -164,13 +164,15 @@ def _draft_block(
     # Ids past the draft's embedding rows (padding rows of a larger target) are only conditioning for the draft:
     # clamping them changes q, which stays the exact law the draft samples from.
     max_draft_id = draft.get_input_embeddings().num_embeddings - 1
+    needs_clamp = max_draft_id < vocab_size - 1
     draft_ids = sequence_ids.new_empty((batch_size, 0))
     probs = []
     is_invalid = torch.zeros((), dtype=torch.bool, device=sequence_ids.device)
     for i in range(k):
         prefix_ids = torch.cat([sequence_ids, draft_ids], dim=1)  # [batch, length + i]
         logits = _forward_missing(
-            draft, draft_cache, prefix_ids.clamp(max=max_draft_id), _extend_mask(attention_mask, i), num_logits=1
+            draft, draft_cache, prefix_ids.clamp(max=max_draft_id) if needs_clamp else prefix_ids,
+            _extend_mask(attention_mask, i), num_logits=1,
         )
         logits = align_vocab(logits[:, 0], vocab_size)  # [batch, vocab]
         step_scores = process_step(logits_processor, prefix_ids, logits)
