@@ -30,6 +30,7 @@ from hf_spec.caches import prepare_for_rollback
 from hf_spec.decoding import speculative_decode
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import resolve_num_draft_tokens, validate_model_kwargs, validate_speculative_call
+from logits_processors import check_processors
 
 # The hook this module overrides; fail at import rather than silently run transformers' non-exact loop.
 if GENERATION_MODES_MAPPING.get(GenerationMode.ASSISTED_GENERATION) != "_assisted_decoding":
@@ -122,6 +123,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 f"size {input_ids.shape[0]}."
             )
         validate_model_kwargs(model_kwargs)
+        check_processors(logits_processor)
         target_cache = model_kwargs["cache"]
         prepare_for_rollback(target_cache, "cache")
         options = _call_options()

@@ -1,0 +1,133 @@
+"""Block implementations of the processors that read the prefix: its tokens or its length.
+
+Position ``i`` of a block follows ``sequence_ids[:, : num_prefix + i]``, so its length is ``num_prefix + i`` and the
+tokens it may see are those at positions below that length. Each function computes, once for the whole sequence,
+when each token or n-gram first appears, and compares that with every position's length: one pass instead of
+``k + 1`` calls. Values are computed by the same float operations as transformers' own ``__call__``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+)
+
+from logits_processors.registry import register_block_processor
+
+
+def position_lengths(num_prefix: int, scores: torch.Tensor) -> torch.Tensor:
+    """``[k + 1]``: the length of the prefix each block position follows."""
+    return torch.arange(num_prefix, num_prefix + scores.shape[1], device=scores.device)
+
+
+def _vocab_mask(token_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``[vocab]`` bool: which ids are in ``token_ids``."""
+    return torch.isin(torch.arange(scores.shape[-1], device=scores.device), token_ids.to(scores.device))
+
+
+def _mask_where_active(scores: torch.Tensor, is_active: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Set ``token_mask`` ``[vocab]`` tokens to -inf at the positions where ``is_active`` ``[k + 1]``."""
+    return torch.where(is_active[None, :, None] & token_mask, float("-inf"), scores)
+
+
+def min_length_block(processor, sequence_ids, num_prefix, scores):
+    is_active = position_lengths(num_prefix, scores) < processor.min_length
+    return _mask_where_active(scores, is_active, _vocab_mask(processor.eos_token_id, scores))
+
+
+def min_new_tokens_block(processor, sequence_ids, num_prefix, scores):
+    num_new = position_lengths(num_prefix, scores) - processor.prompt_length_to_skip
+    return _mask_where_active(scores, num_new < processor.min_new_tokens, _vocab_mask(processor.eos_token_id, scores))
+
+
+def suppress_at_begin_block(processor, sequence_ids, num_prefix, scores):
+    is_active = position_lengths(num_prefix, scores) == processor.begin_index
+    return _mask_where_active(scores, is_active, _vocab_mask(processor.begin_suppress_tokens, scores))
+
+
+def forced_eos_block(processor, sequence_ids, num_prefix, scores):
+    is_active = position_lengths(num_prefix, scores) == processor.max_length - 1  # [k + 1]
+    forced = torch.full_like(scores[:, :1], float("-inf"))
+    forced[..., processor.eos_token_id] = 0
+    return torch.where(is_active[None, :, None], forced, scores)
+
+
+def repetition_penalty_block(processor, sequence_ids, num_prefix, scores):
+    """Penalize, at each position, the tokens that occur in its prefix (after ``prompt_ignore_length``)."""
+    batch_size, _, vocab_size = scores.shape
+    sequence_length = sequence_ids.shape[1]
+    positions = torch.arange(sequence_length, device=sequence_ids.device)
+    # Ids the scores have no column for (embedding rows past the LM head) go to a spare column, as in transformers.
+    ids = sequence_ids.clamp(max=vocab_size)  # [batch, length]
+    ignore = processor.prompt_ignore_length
+    if isinstance(ignore, torch.Tensor):
+        if ignore.shape[0] != batch_size:
+            raise ValueError(
+                f"prompt_ignore_length has {ignore.shape[0]} rows but the batch has {batch_size}"
+            )
+        ids = ids.masked_fill(positions[None, :] < ignore.to(ids.device)[:, None], vocab_size)
+    elif isinstance(ignore, int):
+        ids = ids.masked_fill(positions[None, :] < ignore, vocab_size)
+    first_seen = torch.full((batch_size, vocab_size + 1), sequence_length, device=ids.device).scatter_reduce_(
+        1, ids, positions.expand(batch_size, -1), reduce="amin"
+    )[:, None, :vocab_size]  # [batch, 1, vocab]: first position of each token
+    is_seen = first_seen < position_lengths(num_prefix, scores)[None, :, None]  # [batch, k + 1, vocab]
+    penalized = torch.where(scores < 0, scores * processor.penalty, scores / processor.penalty)
+    return torch.where(is_seen, penalized, scores)
+
+
+def _tails(sequence_ids: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """``[batch, k + 1, size]``: the last ``size`` tokens before each length (clamped at 0 where too short)."""
+    offsets = torch.arange(-size, 0, device=sequence_ids.device)
+    return sequence_ids[:, (lengths[:, None] + offsets).clamp_min(0)]
+
+
+def no_repeat_ngram_block(processor, sequence_ids, num_prefix, scores):
+    """Ban, at each position, the tokens that would repeat an n-gram lying wholly inside its prefix."""
+    n = processor.ngram_size
+    vocab_size = scores.shape[-1]
+    if sequence_ids.shape[1] < n:
+        return scores
+    lengths = position_lengths(num_prefix, scores)  # [k + 1]
+    windows = sequence_ids.unfold(dimension=1, size=n, step=1)  # [batch, W, n]: window w is tokens w .. w + n - 1
+    contexts = _tails(sequence_ids, lengths, n - 1)  # [batch, k + 1, n - 1]
+    is_match = (windows[:, None, :, :-1] == contexts[:, :, None, :]).all(dim=-1)  # [batch, k + 1, W]
+    window_ends = torch.arange(windows.shape[1], device=scores.device) + n  # [W]
+    is_match &= (window_ends[None, :] <= lengths[:, None])[None]  # only n-grams inside the position's prefix
+    banned_ids = torch.where(is_match, windows[:, None, :, -1].clamp(max=vocab_size), vocab_size)
+    is_banned = scores.new_zeros((*scores.shape[:2], vocab_size + 1), dtype=torch.bool).scatter_(-1, banned_ids, True)
+    return scores.masked_fill(is_banned[..., :vocab_size], float("-inf"))
+
+
+def sequence_bias_block(processor, sequence_ids, num_prefix, scores):
+    """Add each sequence's bias to its last token at the positions whose prefix ends with the rest of it."""
+    if not processor.prepared_bias_variables:
+        processor._prepare_bias_variables(scores[:, 0])  # transformers' own checks and tensors
+    lengths = position_lengths(num_prefix, scores)
+    bias = torch.zeros_like(scores)
+    bias += processor.length_1_bias
+    for prefixes, last_tokens, sequence_biases in processor.multi_token_biases:  # [G, m], [G], [G]
+        prefix_length = prefixes.shape[1]
+        tails = _tails(sequence_ids, lengths, prefix_length)  # [batch, k + 1, m]
+        is_match = (tails[:, :, None, :] == prefixes).all(dim=-1)  # [batch, k + 1, G]
+        is_match &= (lengths >= prefix_length)[None, :, None]
+        bias.index_add_(2, last_tokens, torch.where(is_match, sequence_biases, 0.0).to(bias.dtype))
+    return scores + bias
+
+
+register_block_processor(MinLengthLogitsProcessor, min_length_block)
+register_block_processor(MinNewTokensLengthLogitsProcessor, min_new_tokens_block)
+register_block_processor(SuppressTokensAtBeginLogitsProcessor, suppress_at_begin_block)
+register_block_processor(ForcedEOSTokenLogitsProcessor, forced_eos_block)
+register_block_processor(RepetitionPenaltyLogitsProcessor, repetition_penalty_block)
+register_block_processor(NoRepeatNGramLogitsProcessor, no_repeat_ngram_block)
+register_block_processor(SequenceBiasLogitsProcessor, sequence_bias_block)
+register_block_processor(NoBadWordsLogitsProcessor, sequence_bias_block)
