@@ -60,28 +60,39 @@ def forced_eos_block(processor, sequence_ids, num_prefix, scores):
     return torch.where(is_active[None, :, None], forced, scores)
 
 
+def _visible_ids(sequence_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[batch, k + 1, length]``: each position's prefix ids, with ``vocab_size`` (a spare column) past its end."""
+    positions = torch.arange(sequence_ids.shape[1], device=sequence_ids.device)
+    is_visible = positions[None, :] < lengths[:, None]  # [k + 1, length]
+    return torch.where(is_visible[None], sequence_ids[:, None, :], vocab_size)
+
+
+def _with_spare_column(scores: torch.Tensor) -> torch.Tensor:
+    """``[batch, k + 1, vocab + 1]``: a copy of the scores with one spare column for ids that change nothing."""
+    return torch.nn.functional.pad(scores, (0, 1))
+
+
 def repetition_penalty_block(processor, sequence_ids, num_prefix, scores):
-    """Penalize, at each position, the tokens that occur in its prefix (after ``prompt_ignore_length``)."""
+    """Penalize, at each position, the tokens that occur in its prefix (after ``prompt_ignore_length``).
+
+    Only the prefix's own ids are gathered and scattered back, as transformers does, rather than a vocab-wide mask.
+    """
     batch_size, _, vocab_size = scores.shape
-    sequence_length = sequence_ids.shape[1]
-    positions = torch.arange(sequence_length, device=sequence_ids.device)
-    # Ids the scores have no column for (embedding rows past the LM head) go to a spare column, as in transformers.
+    positions = torch.arange(sequence_ids.shape[1], device=sequence_ids.device)
+    # Ids the scores have no column for (embedding rows past the LM head) go to the spare column, as in transformers.
     ids = sequence_ids.clamp(max=vocab_size)  # [batch, length]
     ignore = processor.prompt_ignore_length
     if isinstance(ignore, torch.Tensor):
         if ignore.shape[0] != batch_size:
-            raise ValueError(
-                f"prompt_ignore_length has {ignore.shape[0]} rows but the batch has {batch_size}"
-            )
+            raise ValueError(f"prompt_ignore_length has {ignore.shape[0]} rows but the batch has {batch_size}")
         ids = ids.masked_fill(positions[None, :] < ignore.to(ids.device)[:, None], vocab_size)
     elif isinstance(ignore, int):
         ids = ids.masked_fill(positions[None, :] < ignore, vocab_size)
-    first_seen = torch.full((batch_size, vocab_size + 1), sequence_length, device=ids.device).scatter_reduce_(
-        1, ids, positions.expand(batch_size, -1), reduce="amin"
-    )[:, None, :vocab_size]  # [batch, 1, vocab]: first position of each token
-    is_seen = first_seen < position_lengths(num_prefix, scores)[None, :, None]  # [batch, k + 1, vocab]
-    penalized = torch.where(scores < 0, scores * processor.penalty, scores / processor.penalty)
-    return torch.where(is_seen, penalized, scores)
+    index = _visible_ids(ids, position_lengths(num_prefix, scores), vocab_size)  # [batch, k + 1, length]
+    padded = _with_spare_column(scores)
+    picked = padded.gather(-1, index)
+    picked = torch.where(picked < 0, picked * processor.penalty, picked / processor.penalty)
+    return padded.scatter_(-1, index, picked)[..., :vocab_size]
 
 
 def _tails(sequence_ids: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
@@ -103,8 +114,7 @@ def no_repeat_ngram_block(processor, sequence_ids, num_prefix, scores):
     window_ends = torch.arange(windows.shape[1], device=scores.device) + n  # [W]
     is_match &= (window_ends[None, :] <= lengths[:, None])[None]  # only n-grams inside the position's prefix
     banned_ids = torch.where(is_match, windows[:, None, :, -1].clamp(max=vocab_size), vocab_size)
-    is_banned = scores.new_zeros((*scores.shape[:2], vocab_size + 1), dtype=torch.bool).scatter_(-1, banned_ids, True)
-    return scores.masked_fill(is_banned[..., :vocab_size], float("-inf"))
+    return _with_spare_column(scores).scatter_(-1, banned_ids, float("-inf"))[..., :vocab_size]
 
 
 def sequence_bias_block(processor, sequence_ids, num_prefix, scores):

@@ -115,6 +115,7 @@ BAD_INPUTS = [
     ({"output_attentions": True}, "output_attentions"),
     ({"cache_implementation": "static"}, "StaticCache"),
     ({"generator": 42}, "generator.*int"),
+    ({"guidance_scale": 1.5}, "UnbatchedClassifierFreeGuidanceLogitsProcessor.*guidance_scale"),
 ]
 
 

@@ -46,9 +46,14 @@ def small_draft(small_target):
     return make_noisy_copy(small_target, seed=12, noise=1.0)
 
 
+def with_length(settings: dict) -> dict:
+    """Exactly NUM_TOKENS new tokens: EOS is suppressed until then unless the case sets its own min_new_tokens."""
+    return {"max_new_tokens": NUM_TOKENS, "min_new_tokens": NUM_TOKENS, **settings}
+
+
 def exact_law(model, settings: dict, user_processors: list) -> np.ndarray:
     """``[V, V, V]``: P(first three generated tokens) under target-only sampling with ``settings``."""
-    generation_config, _ = model._prepare_generation_config(None, do_sample=True, **settings)
+    generation_config, _ = model._prepare_generation_config(None, do_sample=True, **with_length(settings))
     model._prepare_special_tokens(generation_config, True, device=PROMPT.device)
     chain = model._get_logits_processor(
         generation_config=generation_config, input_ids_seq_length=PROMPT.shape[1], encoder_input_ids=PROMPT,
@@ -69,9 +74,8 @@ def sample_speculative(target, draft, settings: dict, user_processors: list, k: 
     generator = torch.Generator().manual_seed(seed)
     samples = [
         target.generate(
-            PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
-            num_assistant_tokens=k, generator=generator, logits_processor=LogitsProcessorList(user_processors),
-            **settings,
+            PROMPT, assistant_model=draft, do_sample=True, num_assistant_tokens=k, generator=generator,
+            logits_processor=LogitsProcessorList(user_processors), **with_length(settings),
         )[0, PROMPT.shape[1] :].tolist()
         for _ in range(NUM_SAMPLES)
     ]
@@ -85,6 +89,14 @@ CASES = {
     "min_p_typical": (2, {"min_p": 0.1, "typical_p": 0.9}, []),
     "epsilon_no_repeat_ngram": (2, {"epsilon_cutoff": 0.02, "no_repeat_ngram_size": 2}, []),
     "eta_user_processor_k5": (5, {"eta_cutoff": 0.01}, [BanSuccessorOfLastToken()]),
+    "bad_words_sequence_bias": (3, {"bad_words_ids": [[2, 1]], "sequence_bias": [[[3], -1.0], [[1, 0], 2.0]]}, []),
+    # EOS (token 0) is suppressed for the first two tokens only, so it can end the third.
+    "min_new_tokens_suppress_tokens": (2, {"eos_token_id": 0, "min_new_tokens": 2, "suppress_tokens": [3]}, []),
+    "combined_chain_k4": (
+        4,
+        {"temperature": 0.7, "top_k": 3, "top_p": 0.95, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
+        [BanSuccessorOfLastToken()],
+    ),
 }
 
 
