@@ -11,6 +11,7 @@ layers cannot be cropped back exactly is refused before any forward pass.
 
 from __future__ import annotations
 
+import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 
@@ -50,3 +51,8 @@ def crop_to(cache: Cache, length: int) -> None:
     ``crop`` is called even when nothing is dropped: sliding-window layers use it to shrink back to their window.
     """
     cache.crop(min(0, length - cache.get_seq_length()))
+
+
+def select_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` ``[kept]`` (batch indices) of the cache: finished rows leave it."""
+    cache.batch_select_indices(rows)

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.caches import cache_length, crop_to, new_cache
+from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
 from hf_spec.rejection import accept_draft_tokens, accept_greedy, sample_from_weights
+from hf_spec.rows import RaggedBatch
 from hf_spec.stats import SpeculativeStats
 from logits_processors import process_block, process_step
 
@@ -49,6 +50,7 @@ def speculative_decode(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
+    pad_token_id: int,
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
 ) -> DecodeResult:
@@ -56,51 +58,54 @@ def speculative_decode(
 
     Args:
         target, draft: decoder-only models on the same device, same tokenizer.
-        input_ids: ``[batch, prompt]`` the prompt (batch 1).
+        input_ids: ``[batch, prompt]`` the prompts, left-padded.
         attention_mask: ``[batch, prompt]`` or ``None`` when there is no padding.
         target_cache: the target's croppable cache, holding a prefix of ``input_ids`` shorter than all of it.
         num_draft_tokens: k, tokens drafted per round (fewer near ``max_length``).
         logits_processor: the chain applied, identically and per position, to draft and target logits.
-        stopping_criteria: checked after every emitted token.
+        stopping_criteria: checked after every emitted token of every row.
         generation_config: read for ``do_sample``, ``max_length``, ``output_scores``, ``output_logits``.
+        pad_token_id: fills finished rows and holes.
         generator: randomness for drafting and acceptance; ``None`` uses torch's default generator.
-        streamer: receives every emitted token once, in order.
+        streamer: receives every emitted token once, in order (batch of one).
     """
     do_sample = generation_config.do_sample
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-    scores: tuple[torch.Tensor, ...] | None = () if keep_scores else None
-    raw_logits: tuple[torch.Tensor, ...] | None = () if keep_logits else None
+    row_scores = [[] for _ in range(input_ids.shape[0])]  # per row, one [vocab] per new token
+    row_logits = [[] for _ in range(input_ids.shape[0])]
     stats = SpeculativeStats()
     vocab_size = target.config.get_text_config().vocab_size
     draft_cache = new_cache(draft)
-    sequence_ids = input_ids  # [batch, length], the committed tokens
+    batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
 
     try:
-        is_done = False
-        while not is_done:
-            length = sequence_ids.shape[1]
-            k = max(0, min(num_draft_tokens, generation_config.max_length - length - 1))
+        while batch.num_active > 0:
+            remaining = generation_config.max_length - min(batch.active_lengths())
+            k = max(0, min(num_draft_tokens, remaining - 1))
 
             # 1. Draft k tokens, each from the draft's processed law with its own prefix.
             started = time.perf_counter()
             draft_ids, draft_probs, is_draft_invalid = _draft_block(
-                draft, draft_cache, sequence_ids, attention_mask, logits_processor, k,
+                draft, draft_cache, batch, logits_processor, k,
                 vocab_size=vocab_size, do_sample=do_sample, generator=generator,
-            )  # [batch, k], [batch, k, vocab] or None
+            )  # [active, k], [active, k, vocab] or None
             drafted = time.perf_counter()
 
             # 2. Verify: one target pass over the block gives k + 1 raw logits, processed position by position.
             block_logits = _forward_missing(
-                target, target_cache, torch.cat([sequence_ids, draft_ids], dim=1),
-                _extend_mask(attention_mask, k), num_logits=k + 1,
-            )  # [batch, k + 1, vocab]
+                target, target_cache, torch.cat([batch.model_ids, draft_ids], dim=1),
+                _extend_mask(batch.model_mask, k), num_logits=k + 1,
+            )  # [active, k + 1, vocab]
             assert block_logits.shape[-1] == vocab_size, (block_logits.shape, vocab_size)
-            is_target_invalid = _has_invalid_values(block_logits)
-            block_scores = process_block(logits_processor, sequence_ids, draft_ids, block_logits)
-            is_target_invalid |= _has_invalid_values(block_scores)
+            row_ids, lengths = batch.row_view(draft_ids[:, :0])
+            block_scores = batch.to_active(process_block(
+                logits_processor, row_ids, batch.to_batch(draft_ids, pad_token_id), batch.to_batch(block_logits),
+                lengths,
+            ))  # [active, k + 1, vocab]
+            is_target_invalid = _has_invalid_values(block_logits) | _has_invalid_values(block_scores)
 
-            # 3. Accept a prefix of the draft, then one recovered or bonus token.
+            # 3. Accept a prefix of each row's draft, then one recovered or bonus token.
             if do_sample:
                 output_ids, num_accepted = accept_draft_tokens(
                     draft_ids, draft_probs, block_scores.softmax(dim=-1), generator
@@ -108,44 +113,53 @@ def speculative_decode(
             else:
                 output_ids, num_accepted = accept_greedy(draft_ids, block_scores)
             # Host synchronization 1 of 2 per round: accepted counts with the numerical checks (2: stopping answers).
-            num_accepted_row, draft_bad, target_bad = torch.cat(
+            *num_accepted, draft_bad, target_bad = torch.cat(
                 [num_accepted, is_draft_invalid.view(1), is_target_invalid.view(1)]
             ).tolist()
             _raise_if_invalid(draft_bad, target_bad)
 
-            # 4. Stop exactly where target-only decoding would: after the first token that meets a criterion.
-            new_ids = output_ids[:, : num_accepted_row + 1]  # [batch, accepted + 1]
-            new_scores = block_scores[:, : num_accepted_row + 1]
-            num_kept, is_done = _count_until_stop(stopping_criteria, sequence_ids, new_ids, scores, new_scores)
-            new_ids = new_ids[:, :num_kept]
-            sequence_ids = torch.cat([sequence_ids, new_ids], dim=1)
-            attention_mask = _extend_mask(attention_mask, num_kept)
+            # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
+            num_kept, is_done = batch.count_until_stop(stopping_criteria, output_ids, [n + 1 for n in num_accepted])
             if streamer is not None:
-                streamer.put(new_ids.cpu())
-            if keep_scores:
-                scores += tuple(new_scores[:, i] for i in range(num_kept))
-            if keep_logits:
-                raw_logits += tuple(block_logits[:, i] for i in range(num_kept))
+                streamer.put(output_ids[:, : num_kept[0]].cpu())
+            for a, row in enumerate(batch.active_rows.tolist()):
+                row_scores[row] += list(block_scores[a, : num_kept[a]]) if keep_scores else []
+                row_logits[row] += list(block_logits[a, : num_kept[a]]) if keep_logits else []
+            stats.record_round(k, num_accepted, num_kept, batch.active_rows.tolist(), input_ids.shape[0])
 
-            # 5. Roll back: both caches keep at most the committed sequence minus its last token.
-            _roll_back(target_cache, draft_cache, sequence_ids.shape[1])
-            stats.record_round(k, num_accepted_row, num_kept)
+            # 5. Commit, and roll back: both caches keep the model view's columns but its last; finished rows leave.
+            staying, num_cached = batch.commit(output_ids, num_accepted, num_kept, is_done)
+            _roll_back(target_cache, draft_cache, num_cached, staying)
             stats.draft_seconds += drafted - started
             stats.verify_seconds += time.perf_counter() - drafted
     finally:
         # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed.
-        _roll_back(target_cache, draft_cache, sequence_ids.shape[1])
+        _roll_back(target_cache, draft_cache, batch.model_ids.shape[1] - 1, None)
 
     if streamer is not None:
         streamer.end()
-    return DecodeResult(sequences=sequence_ids, scores=scores, logits=raw_logits, stats=stats)
+    return DecodeResult(
+        sequences=batch.row_ids,
+        scores=_per_step(row_scores) if keep_scores else None,
+        logits=_per_step(row_logits) if keep_logits else None,
+        stats=stats,
+    )
+
+
+def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """transformers' layout: one ``[batch, vocab]`` per generated step; rows already finished hold zeros."""
+    num_steps = max(len(row) for row in per_row)
+    template = next(row[0] for row in per_row if row)
+    return tuple(
+        torch.stack([row[step] if step < len(row) else torch.zeros_like(template) for row in per_row])
+        for step in range(num_steps)
+    )
 
 
 def _draft_block(
     draft: PreTrainedModel,
     draft_cache,
-    sequence_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    batch: RaggedBatch,
     logits_processor: LogitsProcessorList,
     k: int,
     *,
@@ -153,41 +167,44 @@ def _draft_block(
     do_sample: bool,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Draft ``k`` tokens after ``sequence_ids`` ``[batch, length]``.
+    """Draft ``k`` tokens for every active row of ``batch``.
 
     Returns:
-        draft_ids: ``[batch, k]``.
-        draft_probs: ``[batch, k, vocab]`` the laws the tokens were sampled from (``None`` when greedy).
+        draft_ids: ``[active, k]``.
+        draft_probs: ``[active, k, vocab]`` the laws the tokens were sampled from (``None`` when greedy).
         is_invalid: 0-dim bool tensor, true if any draft logits were NaN or infinite.
     """
-    batch_size = sequence_ids.shape[0]
+    model_ids = batch.model_ids
     # Ids past the draft's embedding rows (padding rows of a larger target) are only conditioning for the draft:
     # clamping them changes q, which stays the exact law the draft samples from.
     max_draft_id = draft.get_input_embeddings().num_embeddings - 1
     needs_clamp = max_draft_id < vocab_size - 1
-    draft_ids = sequence_ids.new_empty((batch_size, 0))
+    draft_ids = model_ids.new_empty((batch.num_active, 0))
     probs = []
-    is_invalid = torch.zeros((), dtype=torch.bool, device=sequence_ids.device)
+    is_invalid = torch.zeros((), dtype=torch.bool, device=model_ids.device)
     for i in range(k):
-        prefix_ids = torch.cat([sequence_ids, draft_ids], dim=1)  # [batch, length + i]
+        prefix_ids = torch.cat([model_ids, draft_ids], dim=1)  # [active, columns + i]
         logits = _forward_missing(
             draft, draft_cache, prefix_ids.clamp(max=max_draft_id) if needs_clamp else prefix_ids,
-            _extend_mask(attention_mask, i), num_logits=1,
+            _extend_mask(batch.model_mask, i), num_logits=1,
         )
-        logits = align_vocab(logits[:, 0], vocab_size)  # [batch, vocab]
-        step_scores = process_step(logits_processor, prefix_ids, logits)
+        logits = align_vocab(logits[:, 0], vocab_size)  # [active, vocab]
+        row_ids, lengths = batch.row_view(draft_ids)
+        step_scores = batch.to_active(
+            process_step(logits_processor, row_ids, batch.to_batch(logits), lengths)
+        )  # [active, vocab]
         is_invalid |= _has_invalid_values(logits) | _has_invalid_values(step_scores)
         if do_sample:
             probs.append(step_scores.softmax(dim=-1))
-            next_ids = sample_from_weights(probs[-1], generator)  # [batch]
+            next_ids = sample_from_weights(probs[-1], generator)  # [active]
         else:
-            next_ids = step_scores.argmax(dim=-1)  # [batch]
+            next_ids = step_scores.argmax(dim=-1)  # [active]
         draft_ids = torch.cat([draft_ids, next_ids.unsqueeze(1)], dim=1)
     if not do_sample:
         return draft_ids, None, is_invalid
     if not probs:
-        return draft_ids, torch.empty((batch_size, 0, vocab_size), device=draft_ids.device), is_invalid
-    draft_probs = torch.stack(probs, dim=1)  # [batch, k, vocab]
+        return draft_ids, torch.empty((batch.num_active, 0, vocab_size), device=draft_ids.device), is_invalid
+    draft_probs = torch.stack(probs, dim=1)  # [active, k, vocab]
     return draft_ids, draft_probs, is_invalid
 
 
@@ -267,35 +284,10 @@ def _extend_mask(attention_mask: torch.Tensor | None, num_new: int) -> torch.Ten
     return F.pad(attention_mask, (0, num_new), value=1)
 
 
-def _count_until_stop(
-    stopping_criteria: StoppingCriteriaList,
-    sequence_ids: torch.Tensor,
-    new_ids: torch.Tensor,
-    scores: tuple[torch.Tensor, ...] | None,
-    new_scores: torch.Tensor,
-) -> tuple[int, bool]:
-    """How many of ``new_ids`` ``[batch, m]`` to keep, and whether generation is done.
-
-    The criteria are asked after each new token in turn, with the sequence as target-only decoding would have it, so
-    an EOS, stop string, length limit or custom criterion met inside a block cuts the block right there. All ``m``
-    answers are gathered before one host synchronization.
-    """
-    num_new = new_ids.shape[1]
-    candidate_ids = torch.cat([sequence_ids, new_ids], dim=1)  # [batch, length + m]
-    length = sequence_ids.shape[1]
-    is_done = torch.stack(
-        [
-            stopping_criteria(
-                candidate_ids[:, : length + j],
-                None if scores is None else scores + tuple(new_scores[:, i] for i in range(j)),
-            ).all()
-            for j in range(1, num_new + 1)
-        ]
-    ).tolist()  # [m]: done after new token j
-    return (is_done.index(True) + 1, True) if True in is_done else (num_new, False)
-
-
-def _roll_back(target_cache, draft_cache, length: int) -> None:
-    """Restore the cache invariant for a committed sequence of ``length`` tokens."""
-    crop_to(target_cache, length - 1)
-    crop_to(draft_cache, length - 1)
+def _roll_back(target_cache, draft_cache, num_cached: int, staying_rows: torch.Tensor | None) -> None:
+    """Restore the cache invariant: at most ``num_cached`` positions (the model view but its last column), and only
+    ``staying_rows`` (indices into the rows the caches held) when given."""
+    for cache in (target_cache, draft_cache):
+        if staying_rows is not None:
+            select_rows(cache, staying_rows)
+        crop_to(cache, num_cached)

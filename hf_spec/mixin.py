@@ -117,11 +117,15 @@ class SpeculativeGenerationMixin(GenerationMixin):
             )
         if synced_gpus:
             raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
-        if input_ids.shape[0] != 1:
+        batch_size = input_ids.shape[0]
+        pad_token = generation_config._pad_token_tensor
+        if batch_size > 1 and pad_token is None:
             raise ValueError(
-                f"hf_spec runs speculative decoding on one sequence at a time for now, but `input_ids` has batch "
-                f"size {input_ids.shape[0]}."
+                f"A batch of {batch_size} rows needs `pad_token_id` (finished rows are padded with it), but neither "
+                "`pad_token_id` nor `eos_token_id` is set; pass `pad_token_id=` to generate()."
             )
+        if batch_size > 1 and streamer is not None:
+            raise ValueError(f"`streamer` supports a batch of one row, but `input_ids` has {batch_size} rows.")
         validate_model_kwargs(model_kwargs)
         check_processors(logits_processor)
         target_cache = model_kwargs["cache"]
@@ -137,6 +141,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
             logits_processor=logits_processor,
             stopping_criteria=stopping_criteria,
             generation_config=generation_config,
+            pad_token_id=0 if pad_token is None else int(pad_token.view(-1)[0]),
             generator=options.generator,
             streamer=streamer,
         )

@@ -9,8 +9,10 @@ import dataclasses
 class SpeculativeStats:
     """Counters of one speculative ``generate()`` call.
 
-    A round is one target forward pass over a drafted block. Acceptance counts are what the acceptance rule decided;
-    ``num_emitted`` is what reached the output (a stopping criterion may cut a block short).
+    A round is one target forward pass over a drafted block (for the whole batch). Acceptance counts are what the
+    acceptance rule decided; ``num_emitted`` is what reached the output (a stopping criterion may cut a block short).
+    Token counts are summed over the rows of a batch; ``rows`` holds the same counters for each row alone (its
+    ``num_rounds`` counts the target passes the row took part in; its timings stay 0).
 
     Attributes:
         num_rounds: target forward passes.
@@ -22,6 +24,7 @@ class SpeculativeStats:
         proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``.
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
+        rows: per batch row, in the input's order.
     """
 
     num_rounds: int = 0
@@ -32,6 +35,7 @@ class SpeculativeStats:
     proposed_by_position: list[int] = dataclasses.field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,14 +52,24 @@ class SpeculativeStats:
         """Per block position: accepted / proposed (0.0 where nothing was proposed)."""
         return [a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.proposed_by_position)]
 
-    def record_round(self, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
-        """Count one round that proposed ``num_draft_tokens``, accepted ``num_accepted`` and emitted ``num_emitted``."""
+    def record_round(
+        self, num_draft_tokens: int, num_accepted: list[int], num_emitted: list[int], rows: list[int], batch_size: int
+    ) -> None:
+        """Count one target pass in which each of ``rows`` (batch indices) proposed ``num_draft_tokens``, and
+        accepted and emitted its entry of ``num_accepted`` and ``num_emitted``."""
+        self.rows.extend(SpeculativeStats() for _ in range(batch_size - len(self.rows)))
+        self.num_rounds += 1
+        for row, accepted, emitted in zip(rows, num_accepted, num_emitted):
+            self.rows[row].num_rounds += 1
+            self.rows[row]._count_tokens(num_draft_tokens, accepted, emitted)
+            self._count_tokens(num_draft_tokens, accepted, emitted)
+
+    def _count_tokens(self, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
         _grow(self.accepted_by_position, num_draft_tokens)
         _grow(self.proposed_by_position, num_draft_tokens)
         for position in range(num_draft_tokens):
             self.proposed_by_position[position] += 1
             self.accepted_by_position[position] += position < num_accepted
-        self.num_rounds += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted += num_accepted
         self.num_emitted += num_emitted
@@ -63,18 +77,22 @@ class SpeculativeStats:
     def to_dict(self) -> dict:
         """Every counter and derived rate, JSON-ready."""
         return {
-            **dataclasses.asdict(self),
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "rows"},
+            "rows": [row.to_dict() for row in self.rows],
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
             "acceptance_rate_by_position": self.acceptance_rate_by_position,
         }
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"rounds {self.num_rounds}, proposed {self.num_draft_tokens}, accepted {self.num_accepted} "
             f"({self.acceptance_rate:.1%}), {self.tokens_per_round:.2f} tokens per target pass, "
             f"drafting {self.draft_seconds:.2f} s, verifying {self.verify_seconds:.2f} s"
         )
+        if len(self.rows) > 1:
+            text += "; acceptance by row " + ", ".join(f"{row.acceptance_rate:.1%}" for row in self.rows)
+        return text
 
 
 def _grow(counts: list[int], length: int) -> None:

@@ -1,7 +1,8 @@
 """Block implementations of the processors that read the prefix: its tokens or its length.
 
-Position ``i`` of a block follows ``sequence_ids[:, : num_prefix + i]``, so its length is ``num_prefix + i`` and the
-tokens it may see are those at positions below that length. Each function computes, once for the whole sequence,
+Position ``i`` of row ``b`` follows ``sequence_ids[b, : prefix_lengths[b] + i]``, so its length is
+``prefix_lengths[b] + i`` and the tokens it may see are those at positions below that length. Each function
+computes, once for the whole sequence,
 when each token or n-gram first appears, and compares that with every position's length: one pass instead of
 ``k + 1`` calls. Values are computed by the same float operations as transformers' own ``__call__``.
 """
@@ -15,6 +16,7 @@ from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
@@ -23,9 +25,9 @@ from transformers.generation.logits_process import (
 from logits_processors.registry import register_block_processor
 
 
-def position_lengths(num_prefix: int, scores: torch.Tensor) -> torch.Tensor:
-    """``[k + 1]``: the length of the prefix each block position follows."""
-    return torch.arange(num_prefix, num_prefix + scores.shape[1], device=scores.device)
+def position_lengths(prefix_lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``[batch, k + 1]``: the length of the prefix each block position follows."""
+    return prefix_lengths[:, None] + torch.arange(scores.shape[1], device=scores.device)
 
 
 def _vocab_mask(token_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -34,37 +36,37 @@ def _vocab_mask(token_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_where_active(scores: torch.Tensor, is_active: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """Set ``token_mask`` ``[vocab]`` tokens to -inf at the positions where ``is_active`` ``[k + 1]``."""
-    return torch.where(is_active[None, :, None] & token_mask, float("-inf"), scores)
+    """Set ``token_mask`` ``[vocab]`` tokens to -inf at the positions where ``is_active`` ``[batch, k + 1]``."""
+    return torch.where(is_active[..., None] & token_mask, float("-inf"), scores)
 
 
-def min_length_block(processor, sequence_ids, num_prefix, scores):
-    is_active = position_lengths(num_prefix, scores) < processor.min_length
+def min_length_block(processor, sequence_ids, prefix_lengths, scores):
+    is_active = position_lengths(prefix_lengths, scores) < processor.min_length
     return _mask_where_active(scores, is_active, _vocab_mask(processor.eos_token_id, scores))
 
 
-def min_new_tokens_block(processor, sequence_ids, num_prefix, scores):
-    num_new = position_lengths(num_prefix, scores) - processor.prompt_length_to_skip
+def min_new_tokens_block(processor, sequence_ids, prefix_lengths, scores):
+    num_new = position_lengths(prefix_lengths, scores) - processor.prompt_length_to_skip
     return _mask_where_active(scores, num_new < processor.min_new_tokens, _vocab_mask(processor.eos_token_id, scores))
 
 
-def suppress_at_begin_block(processor, sequence_ids, num_prefix, scores):
-    is_active = position_lengths(num_prefix, scores) == processor.begin_index
+def suppress_at_begin_block(processor, sequence_ids, prefix_lengths, scores):
+    is_active = position_lengths(prefix_lengths, scores) == processor.begin_index
     return _mask_where_active(scores, is_active, _vocab_mask(processor.begin_suppress_tokens, scores))
 
 
-def forced_eos_block(processor, sequence_ids, num_prefix, scores):
-    is_active = position_lengths(num_prefix, scores) == processor.max_length - 1  # [k + 1]
+def forced_eos_block(processor, sequence_ids, prefix_lengths, scores):
+    is_active = position_lengths(prefix_lengths, scores) == processor.max_length - 1  # [batch, k + 1]
     forced = torch.full_like(scores[:, :1], float("-inf"))
     forced[..., processor.eos_token_id] = 0
-    return torch.where(is_active[None, :, None], forced, scores)
+    return torch.where(is_active[..., None], forced, scores)
 
 
 def _visible_ids(sequence_ids: torch.Tensor, lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[batch, k + 1, length]``: each position's prefix ids, with ``vocab_size`` (a spare column) past its end."""
     positions = torch.arange(sequence_ids.shape[1], device=sequence_ids.device)
-    is_visible = positions[None, :] < lengths[:, None]  # [k + 1, length]
-    return torch.where(is_visible[None], sequence_ids[:, None, :], vocab_size)
+    is_visible = positions < lengths[..., None]  # [batch, k + 1, length]
+    return torch.where(is_visible, sequence_ids[:, None, :], vocab_size)
 
 
 def _with_spare_column(scores: torch.Tensor) -> torch.Tensor:
@@ -72,7 +74,7 @@ def _with_spare_column(scores: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(scores, (0, 1))
 
 
-def repetition_penalty_block(processor, sequence_ids, num_prefix, scores):
+def repetition_penalty_block(processor, sequence_ids, prefix_lengths, scores):
     """Penalize, at each position, the tokens that occur in its prefix (after ``prompt_ignore_length``).
 
     Only the prefix's own ids are gathered and scattered back, as transformers does, rather than a vocab-wide mask.
@@ -88,7 +90,7 @@ def repetition_penalty_block(processor, sequence_ids, num_prefix, scores):
         ids = ids.masked_fill(positions[None, :] < ignore.to(ids.device)[:, None], vocab_size)
     elif isinstance(ignore, int):
         ids = ids.masked_fill(positions[None, :] < ignore, vocab_size)
-    index = _visible_ids(ids, position_lengths(num_prefix, scores), vocab_size)  # [batch, k + 1, length]
+    index = _visible_ids(ids, position_lengths(prefix_lengths, scores), vocab_size)  # [batch, k + 1, length]
     padded = _with_spare_column(scores)
     picked = padded.gather(-1, index)
     picked = torch.where(picked < 0, picked * processor.penalty, picked / processor.penalty)
@@ -96,43 +98,64 @@ def repetition_penalty_block(processor, sequence_ids, num_prefix, scores):
 
 
 def _tails(sequence_ids: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
-    """``[batch, k + 1, size]``: the last ``size`` tokens before each length (clamped at 0 where too short)."""
+    """``[batch, k + 1, size]``: the last ``size`` tokens before each length ``[batch, k + 1]`` (index clamped at 0
+    where the prefix is too short)."""
     offsets = torch.arange(-size, 0, device=sequence_ids.device)
-    return sequence_ids[:, (lengths[:, None] + offsets).clamp_min(0)]
+    index = (lengths[..., None] + offsets).clamp_min(0)  # [batch, k + 1, size]
+    return sequence_ids.gather(1, index.flatten(1)).view(index.shape)
 
 
-def no_repeat_ngram_block(processor, sequence_ids, num_prefix, scores):
+def no_repeat_ngram_block(processor, sequence_ids, prefix_lengths, scores):
     """Ban, at each position, the tokens that would repeat an n-gram lying wholly inside its prefix."""
     n = processor.ngram_size
     vocab_size = scores.shape[-1]
     if sequence_ids.shape[1] < n:
         return scores
-    lengths = position_lengths(num_prefix, scores)  # [k + 1]
+    lengths = position_lengths(prefix_lengths, scores)  # [batch, k + 1]
     windows = sequence_ids.unfold(dimension=1, size=n, step=1)  # [batch, W, n]: window w is tokens w .. w + n - 1
     contexts = _tails(sequence_ids, lengths, n - 1)  # [batch, k + 1, n - 1]
     is_match = (windows[:, None, :, :-1] == contexts[:, :, None, :]).all(dim=-1)  # [batch, k + 1, W]
     window_ends = torch.arange(windows.shape[1], device=scores.device) + n  # [W]
-    is_match &= (window_ends[None, :] <= lengths[:, None])[None]  # only n-grams inside the position's prefix
+    is_match &= window_ends <= lengths[..., None]  # only n-grams inside the position's prefix
     banned_ids = torch.where(is_match, windows[:, None, :, -1].clamp(max=vocab_size), vocab_size)
     return _with_spare_column(scores).scatter_(-1, banned_ids, float("-inf"))[..., :vocab_size]
 
 
-def sequence_bias_block(processor, sequence_ids, num_prefix, scores):
+def sequence_bias_block(processor, sequence_ids, prefix_lengths, scores):
     """Add each sequence's bias to its last token at the positions whose prefix ends with the rest of it."""
     if not processor.prepared_bias_variables:
         processor._prepare_bias_variables(scores[:, 0])  # transformers' own checks and tensors
-    lengths = position_lengths(num_prefix, scores)
+    lengths = position_lengths(prefix_lengths, scores)
     bias = torch.zeros_like(scores)
     bias += processor.length_1_bias
     for prefixes, last_tokens, sequence_biases in processor.multi_token_biases:  # [G, m], [G], [G]
         prefix_length = prefixes.shape[1]
         tails = _tails(sequence_ids, lengths, prefix_length)  # [batch, k + 1, m]
         is_match = (tails[:, :, None, :] == prefixes).all(dim=-1)  # [batch, k + 1, G]
-        is_match &= (lengths >= prefix_length)[None, :, None]
+        is_match &= (lengths >= prefix_length)[..., None]
         bias.index_add_(2, last_tokens, torch.where(is_match, sequence_biases, 0.0).to(bias.dtype))
     return scores + bias
 
 
+def prefix_constrained_block(processor, sequence_ids, prefix_lengths, scores):
+    """``prefix_allowed_tokens_fn(batch_id, prefix)`` for every row and position, with each row's own batch id."""
+    assert processor._num_beams == 1, "speculative decoding runs without beams"
+    mask = torch.full_like(scores, float("-inf"))  # [batch, k + 1, vocab]
+    for batch_id, lengths in enumerate(position_lengths(prefix_lengths, scores).tolist()):
+        for position, length in enumerate(lengths):
+            allowed = processor._prefix_allowed_tokens_fn(batch_id, sequence_ids[batch_id, :length])
+            if len(allowed) == 0:
+                raise ValueError(
+                    f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {batch_id}. This means that the "
+                    "constraint is unsatisfiable. Please check your implementation of `prefix_allowed_tokens_fn`."
+                )
+            mask[batch_id, position, allowed] = 0
+    processed = scores + mask
+    # As transformers: where every allowed token already scores -inf, the allowed tokens get 0.
+    return torch.where(processed.amax(dim=-1, keepdim=True).isneginf(), mask, processed)
+
+
+register_block_processor(PrefixConstrainedLogitsProcessor, prefix_constrained_block)
 register_block_processor(MinLengthLogitsProcessor, min_length_block)
 register_block_processor(MinNewTokensLengthLogitsProcessor, min_new_tokens_block)
 register_block_processor(SuppressTokensAtBeginLogitsProcessor, suppress_at_begin_block)

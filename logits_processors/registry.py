@@ -2,11 +2,13 @@
 
 A block implementation applies one processor to every position of a verification block at once::
 
-    fn(processor, sequence_ids, num_prefix, scores) -> scores
-        sequence_ids: [batch, num_prefix + k]   the prefix followed by the k drafted tokens
-        num_prefix:   int                       position i of the block follows sequence_ids[:, : num_prefix + i]
-        scores:       [batch, k + 1, vocab]     the scores so far (not modified)
-        returns       [batch, k + 1, vocab]     what calling ``processor`` once per position would return
+    fn(processor, sequence_ids, prefix_lengths, scores) -> scores
+        sequence_ids:   [batch, length]          each row's prefix followed by its k drafted tokens (then padding)
+        prefix_lengths: [batch] int64            position i of row b follows sequence_ids[b, : prefix_lengths[b] + i]
+        scores:         [batch, k + 1, vocab]    the scores so far (not modified)
+        returns         [batch, k + 1, vocab]    what calling ``processor`` once per position would return
+
+Rows may have different prefix lengths (a batch whose rows have accepted different numbers of tokens).
 
 Lookup is by exact class: a subclass (which may override ``__call__``) takes the exact per-position loop until it is
 registered itself. Processors with no implementation are never refused for that; they take the loop.
@@ -45,12 +47,12 @@ def register_position_independent(processor_class: type, row_function: RowFuncti
     given (rows ``[n, vocab]`` -> ``[n, vocab]``) and by the processor's own ``__call__`` otherwise.
     """
 
-    def block_function(processor, sequence_ids, num_prefix, scores):
+    def block_function(processor, sequence_ids, prefix_lengths, scores):
         rows = scores.flatten(0, 1)  # [batch * (k + 1), vocab]
         if row_function is not None:
             return row_function(processor, rows).view_as(scores)
         # The processor ignores input_ids; give it a batch of the right size anyway.
-        ids = sequence_ids[:, :num_prefix].repeat_interleave(scores.shape[1], dim=0)
+        ids = sequence_ids.repeat_interleave(scores.shape[1], dim=0)
         return processor(ids, rows).view_as(scores)
 
     register_block_processor(processor_class, block_function)

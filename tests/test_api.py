@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation.streamers import BaseStreamer
 from conftest import make_tiny_model
 from test_stopping import letters_tokenizer
 from transformers import DynamicCache, GenerationConfig, StaticCache
@@ -128,8 +129,13 @@ def test_bad_input_is_a_clear_error_naming_the_argument(target, close_draft, kwa
 def test_bad_draft_and_cache_objects_are_refused(target, close_draft):
     with pytest.raises(TypeError, match="assistant_model"):
         target.generate(PROMPT, assistant_model="small-model", max_new_tokens=5)
-    with pytest.raises(ValueError, match="batch size 2"):
+    with pytest.raises(ValueError, match="batch of 2 rows needs `pad_token_id`"):
         target.generate(PROMPT.repeat(2, 1), assistant_model=close_draft, max_new_tokens=5)
+    with pytest.raises(ValueError, match="streamer.*2 rows"):
+        target.generate(
+            PROMPT.repeat(2, 1), assistant_model=close_draft, max_new_tokens=5, pad_token_id=0,
+            streamer=type("Recorder", (BaseStreamer,), {"put": lambda self, value: None})(),
+        )
     static = StaticCache(config=target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="StaticCache"):
         target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=5, cache=static)

@@ -117,8 +117,9 @@ def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
     return output_ids, num_accepted
 
 
-def _block_without_draft_prefix(processors, prefix_ids, block_ids, logits):
-    """Broken: every block position is processed as if it followed the prefix alone."""
+def _block_without_draft_prefix(processors, prefix_ids, block_ids, logits, prefix_lengths):
+    """Broken: every block position is processed as if it followed the prefix alone (batch of one here)."""
+    prefix_ids = prefix_ids[:, : int(prefix_lengths[0])]
     return torch.stack([processors(prefix_ids, logits[:, i].clone()) for i in range(logits.shape[1])], dim=1)
 
 

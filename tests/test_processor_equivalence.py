@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
@@ -139,6 +140,8 @@ def processors(draw, vocab_size: int, num_prefix: int, batch_size: int) -> Logit
     if kind == "min_new_tokens":
         skip = draw(st.integers(0, num_prefix))
         return MinNewTokensLengthLogitsProcessor(skip, draw(st.integers(1, 8)), eos)
+    if kind == "prefix_constrained":
+        return PrefixConstrainedLogitsProcessor(allowed_after, num_beams=1)
     if kind == "forced_eos":
         return ForcedEOSTokenLogitsProcessor(num_prefix + draw(st.integers(1, 7)), eos)
     raise AssertionError(kind)
@@ -147,7 +150,7 @@ def processors(draw, vocab_size: int, num_prefix: int, batch_size: int) -> Logit
 FAST_PATH_KINDS = [
     "temperature", "top_k", "top_p", "min_p", "typical", "epsilon", "eta", "top_h", "log_softmax", "inf_nan_remove",
     "suppress", "suppress_at_begin", "repetition_penalty", "no_repeat_ngram", "bad_words", "sequence_bias",
-    "min_length", "min_new_tokens", "forced_eos",
+    "min_length", "min_new_tokens", "forced_eos", "prefix_constrained",
 ]
 
 
@@ -187,6 +190,47 @@ class PenalizeLastToken(LogitsProcessor):
         self.seen_lengths.append(input_ids.shape[1])
         scores[torch.arange(scores.shape[0]), input_ids[:, -1] % scores.shape[-1]] -= 2.0
         return scores
+
+
+def for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
+    """``processor`` as target-only decoding of row ``row`` alone would hold it (per-row state sliced)."""
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(processor.prompt_ignore_length, torch.Tensor):
+        return RepetitionPenaltyLogitsProcessor(processor.penalty, processor.prompt_ignore_length[row : row + 1])
+    if isinstance(processor, PrefixConstrainedLogitsProcessor):
+        function = processor._prefix_allowed_tokens_fn
+        return PrefixConstrainedLogitsProcessor(lambda _, prefix: function(row, prefix), num_beams=1)
+    return processor
+
+
+def allowed_after(batch_id: int, prefix: torch.Tensor) -> list[int]:
+    """A ``prefix_allowed_tokens_fn`` that depends on the row and on the prefix (ids below 2: any vocab works)."""
+    return [(batch_id + int(prefix[-1])) % 2] + ([1] if int(prefix.sum()) % 3 == 0 else [])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), block=blocks())
+def test_rows_of_different_lengths_equal_each_row_alone(data, block):
+    """A ragged batch (rows that accepted different numbers of tokens): row b equals its own target-only chain."""
+    sequence_ids, num_prefix, logits = block
+    batch_size = sequence_ids.shape[0]
+    prefix_lengths = torch.tensor(data.draw(st.lists(st.integers(1, num_prefix), min_size=batch_size, max_size=batch_size)))
+    chain = LogitsProcessorList(
+        [data.draw(processors(logits.shape[-1], int(prefix_lengths.min()), batch_size)) for _ in range(2)]
+        + [data.draw(st.sampled_from([PenalizeLastToken(), PrefixConstrainedLogitsProcessor(allowed_after, 1)]))]
+    )
+    rows = [
+        torch.cat([sequence_ids[b, : prefix_lengths[b]], sequence_ids[b, num_prefix:]])[None] for b in range(batch_size)
+    ]
+    try:
+        expected = torch.cat([
+            reference_block(LogitsProcessorList([for_row(p, b) for p in chain]), rows[b], int(prefix_lengths[b]), logits[b : b + 1])
+            for b in range(batch_size)
+        ])
+    except ValueError:
+        return  # transformers refuses this input (e.g. eta on a fully masked row)
+    prefix_ids = sequence_ids[:, :num_prefix].clone()  # right-padded: whatever follows a row's length is padding
+    ours = process_block(chain, prefix_ids, sequence_ids[:, num_prefix:], logits, prefix_lengths)
+    assert_same_scores(ours, expected)
 
 
 def test_user_processor_takes_the_loop_with_each_position_prefix():
@@ -249,9 +293,9 @@ def test_top_p_falls_back_for_flat_rows_and_split_ties():
         assert_same_scores(logits_processors.warpers.top_p_rows(processor, scores), processor(None, scores))
 
 
-def _penalty_ignoring_the_block(processor, sequence_ids, num_prefix, scores):
+def _penalty_ignoring_the_block(processor, sequence_ids, prefix_lengths, scores):
     """Broken: every position is penalized as if it followed the prefix alone."""
-    prefix_ids = sequence_ids[:, :num_prefix]
+    prefix_ids = sequence_ids[:, : int(prefix_lengths[0])]
     return torch.stack([processor(prefix_ids, scores[:, i]) for i in range(scores.shape[1])], dim=1)
 
 
