@@ -64,7 +64,7 @@ class RaggedBatch:
     def active_lengths(self) -> list[int]:
         return [length for length, active in zip(self.lengths, self.is_active) if active]
 
-    def to_batch(self, values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+    def to_batch(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """``[active, ...]`` -> ``[batch, ...]``, finished rows filled with ``fill``."""
         if self.num_active == self.batch_size:
             return values
@@ -102,7 +102,7 @@ class RaggedBatch:
         Args:
             output_ids: ``[active, k + 1]`` each active row's new tokens (``num_candidates[a]`` of them valid).
         """
-        candidate_ids, lengths = self.row_view(output_ids)
+        candidate_ids, _ = self.row_view(output_ids)
         active_lengths = self.active_lengths()
         answers = []  # (active row indices, j, [rows] bool)
         for j in range(1, max(num_candidates) + 1):
@@ -157,7 +157,6 @@ class RaggedBatch:
         self.lengths = new_lengths
 
         # 2. Models' view: continuing rows, holes where a row accepted fewer tokens than the most-accepting one.
-        columns = self.model_ids.shape[1]
         staying = [a for a in range(self.num_active) if not is_done[a]]
         for a, row in enumerate(self.active_rows.tolist()):
             self.is_active[row] = not is_done[a]

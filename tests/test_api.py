@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.streamers import BaseStreamer
 from conftest import make_tiny_model
 from test_stopping import letters_tokenizer
 from transformers import DynamicCache, GenerationConfig, StaticCache
+from transformers.generation.streamers import BaseStreamer
 
 from hf_spec import SpeculativeGenerationMixin, speculative
 

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_noisy_copy, make_tiny_model
 from goodness_of_fit import fit_sequences
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -51,18 +52,18 @@ def with_length(settings: dict) -> dict:
     return {"max_new_tokens": NUM_TOKENS, "min_new_tokens": NUM_TOKENS, **settings}
 
 
-def exact_law(model, settings: dict, user_processors: list) -> np.ndarray:
-    """``[V, V, V]``: P(first three generated tokens) under target-only sampling with ``settings``."""
+def exact_law(model, settings: dict, user_processors: list, prompt: torch.Tensor = PROMPT) -> np.ndarray:
+    """``[V, V, V]``: P(first three generated tokens) under target-only sampling of ``prompt`` with ``settings``."""
     generation_config, _ = model._prepare_generation_config(None, do_sample=True, **with_length(settings))
-    model._prepare_special_tokens(generation_config, True, device=PROMPT.device)
+    model._prepare_special_tokens(generation_config, True, device=prompt.device)
     chain = model._get_logits_processor(
-        generation_config=generation_config, input_ids_seq_length=PROMPT.shape[1], encoder_input_ids=PROMPT,
+        generation_config=generation_config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
         logits_processor=LogitsProcessorList(user_processors), device="cpu", model_kwargs={},
     )
     path_probs = np.ones(1)  # P(prefix) for every prefix of the current depth, in itertools.product order
     for depth in range(NUM_TOKENS):
         prefixes = list(itertools.product(range(VOCAB), repeat=depth))
-        ids = torch.cat([PROMPT.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), depth)], 1)
+        ids = torch.cat([prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), depth)], 1)
         with torch.no_grad():
             logits = model(ids).logits[:, -1].float()
         probs = chain(ids, logits).softmax(-1).double().numpy()  # [prefixes, V]: p(next | prefix)
@@ -70,16 +71,21 @@ def exact_law(model, settings: dict, user_processors: list) -> np.ndarray:
     return path_probs.reshape([VOCAB] * NUM_TOKENS)
 
 
-def sample_speculative(target, draft, settings: dict, user_processors: list, k: int, seed: int) -> np.ndarray:
+def sample_speculative(
+    target, draft, settings: dict, user_processors: list, k: int, seed: int, as_rows: bool = True
+) -> np.ndarray:
+    """``[NUM_SAMPLES, NUM_TOKENS]`` samples: rows of one batch (independent samples), or one call per sample."""
     generator = torch.Generator().manual_seed(seed)
-    samples = [
-        target.generate(
-            PROMPT, assistant_model=draft, do_sample=True, num_assistant_tokens=k, generator=generator,
-            logits_processor=LogitsProcessorList(user_processors), **with_length(settings),
-        )[0, PROMPT.shape[1] :].tolist()
-        for _ in range(NUM_SAMPLES)
-    ]
-    return np.array(samples)
+
+    def generate(prompt):
+        return target.generate(
+            prompt, assistant_model=draft, do_sample=True, num_assistant_tokens=k, generator=generator,
+            logits_processor=LogitsProcessorList(user_processors), pad_token_id=0, **with_length(settings),
+        )[:, PROMPT.shape[1] :]
+
+    if as_rows:
+        return generate(PROMPT.expand(NUM_SAMPLES, -1)).numpy()
+    return np.array([generate(PROMPT)[0].tolist() for _ in range(NUM_SAMPLES)])
 
 
 CASES = {
@@ -101,19 +107,67 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_generate_samples_the_target_law(small_target, small_draft, case):
+def test_rows_of_a_batch_sample_the_target_law(small_target, small_draft, case):
     k, settings, user_processors = CASES[case]
     samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=len(case))
     result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
     assert result.is_consistent, result
 
 
+@pytest.mark.parametrize("case", ["temperature_0.7_top_k", "eta_user_processor_k5", "combined_chain_k4"])
+def test_separate_calls_sample_the_target_law(small_target, small_draft, case):
+    """Batch of one, one call per sample: the single-row path."""
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=7, as_rows=False)
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+MIXED_PROMPTS = (torch.tensor([[1, 3, 2]]), torch.tensor([[2, 0, 1, 1, 3]]))
+MIXED_SETTINGS = {"temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
+
+
+def sample_mixed_prompts(target, draft, seed: int) -> list[np.ndarray]:
+    """One left-padded batch, half its rows one prompt and half the other; the samples of each prompt."""
+    width = max(prompt.shape[1] for prompt in MIXED_PROMPTS)
+    rows = [F.pad(prompt, (width - prompt.shape[1], 0)) for prompt in MIXED_PROMPTS]
+    masks = [F.pad(torch.ones_like(prompt), (width - prompt.shape[1], 0)) for prompt in MIXED_PROMPTS]
+    half = NUM_SAMPLES // 2
+    input_ids = torch.cat([row.expand(half, -1) for row in rows])
+    output = target.generate(
+        input_ids, attention_mask=torch.cat([mask.expand(half, -1) for mask in masks]), assistant_model=draft,
+        do_sample=True, num_assistant_tokens=3, generator=torch.Generator().manual_seed(seed), pad_token_id=0,
+        logits_processor=LogitsProcessorList([BanSuccessorOfLastToken()]), **with_length(MIXED_SETTINGS),
+    )[:, width:].numpy()
+    return [output[:half], output[half:]]
+
+
+def test_left_padded_rows_with_different_prompts_sample_their_own_laws(small_target, small_draft):
+    for samples, prompt in zip(sample_mixed_prompts(small_target, small_draft, seed=5), MIXED_PROMPTS):
+        result = fit_sequences(samples, exact_law(small_target, MIXED_SETTINGS, [BanSuccessorOfLastToken()], prompt))
+        assert result.is_consistent, result
+
+
+def _q_from_the_next_row(draft_ids, draft_probs, target_probs, generator):
+    """Broken: each row's acceptance ratio uses the draft law of the row after it."""
+    return hf_spec.rejection.accept_draft_tokens(draft_ids, draft_probs.roll(1, dims=0), target_probs, generator)
+
+
+def test_negative_control_q_from_another_row_is_caught(small_target, small_draft, monkeypatch):
+    monkeypatch.setattr(hf_spec.decoding, "accept_draft_tokens", _q_from_the_next_row)
+    results = [
+        fit_sequences(samples, exact_law(small_target, MIXED_SETTINGS, [BanSuccessorOfLastToken()], prompt))
+        for samples, prompt in zip(sample_mixed_prompts(small_target, small_draft, seed=6), MIXED_PROMPTS)
+    ]
+    assert not all(result.is_consistent for result in results), results
+
+
 def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
     """Broken: a rejection resamples from p instead of max(0, p - q)."""
     output_ids, num_accepted = hf_spec.rejection.accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
-    j = num_accepted[0].item()
-    if j < draft_ids.shape[1]:
-        output_ids[0, j] = hf_spec.rejection.sample_from_weights(target_probs[0, j], generator)
+    for row, j in enumerate(num_accepted.tolist()):
+        if j < draft_ids.shape[1]:
+            output_ids[row, j] = hf_spec.rejection.sample_from_weights(target_probs[row, j], generator)
     return output_ids, num_accepted
 
 
