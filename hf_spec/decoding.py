@@ -6,8 +6,8 @@ prefix plus one recovered or bonus token (`hf_spec.rejection`), stops exactly wh
 and rolls both caches back (`hf_spec.caches`). The output law equals target-only sampling (or greedy decoding).
 
 What it does not do: beam search, several return sequences, encoder-decoder models, caches other than
-``DynamicCache``; these are refused before the loop starts (`hf_spec.validation`). Batches of several rows
-are refused too, until per-row rollback lands.
+``DynamicCache``; these are refused before the loop starts (`hf_spec.validation`). Rows of a batch advance by
+different amounts; `hf_spec.rows` keeps their bookkeeping out of this loop.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def speculative_decode(
 
     try:
         while batch.num_active > 0:
+            # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets k.
             remaining = generation_config.max_length - min(batch.active_lengths())
             k = max(0, min(num_draft_tokens, remaining - 1))
 
