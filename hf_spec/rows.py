@@ -113,19 +113,14 @@ class RaggedBatch:
                 batch_index = self.active_rows[active_index]
                 is_done = stopping_criteria(candidate_ids[batch_index, :length], None)  # [len(members)]
                 answers.append((active_index, j, is_done))
-        is_done_at = torch.zeros((self.num_active, max(num_candidates) + 1), dtype=torch.bool)
-        flags = torch.cat([is_done.view(-1) for _, _, is_done in answers]).tolist()  # the synchronization
-        flat = iter(flags)
-        for active_index, j, _ in answers:
+        flags = iter(torch.cat([is_done.view(-1) for _, _, is_done in answers]).tolist())  # the synchronization
+        first_done: list[int | None] = [None] * self.num_active  # per active row: the first j that met a criterion
+        for active_index, j, _ in answers:  # in increasing j
             for a in active_index:
-                is_done_at[a, j] = next(flat)
-        num_kept, is_done = [], []
-        for a in range(self.num_active):
-            done_positions = is_done_at[a, 1 : num_candidates[a] + 1].nonzero()
-            stop = int(done_positions[0]) + 1 if len(done_positions) else num_candidates[a]
-            num_kept.append(stop)
-            is_done.append(len(done_positions) > 0)
-        return num_kept, is_done
+                if next(flags) and first_done[a] is None:
+                    first_done[a] = j
+        num_kept = [num_candidates[a] if j is None else j for a, j in enumerate(first_done)]
+        return num_kept, [j is not None for j in first_done]
 
     def commit(
         self, output_ids: torch.Tensor, num_accepted: list[int], num_kept: list[int], is_done: list[bool]
