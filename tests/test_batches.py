@@ -185,3 +185,27 @@ def test_unpadded_batch_without_attention_mask(target, close_draft):
         ids, assistant_model=close_draft, do_sample=False, max_new_tokens=20, pad_token_id=PAD, num_assistant_tokens=4
     )
     assert torch.equal(output, expected)
+
+
+def test_sliding_window_caches_follow_ragged_rows():
+    """Mistral-style sliding-window layers (window 6, shorter than the prompts): holes, crops and dropped rows."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from hf_spec import speculative
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=6, max_position_embeddings=256, pad_token_id=PAD,
+    )
+    target = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    target, draft = speculative(target), MistralForCausalLM(config).eval()
+    ids, mask = left_padded(PROMPTS)
+    free_run = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    eos = int(free_run[2, ids.shape[1] + 4])  # row 2 finishes early, the others may go on
+    settings = {"do_sample": False, "max_new_tokens": 30, "eos_token_id": eos}
+    expected = target.generate(ids, attention_mask=mask, **settings)
+    output = target.generate(ids, attention_mask=mask, assistant_model=draft, num_assistant_tokens=4, **settings)
+    assert torch.equal(output, expected)
