@@ -8,14 +8,20 @@ import sys
 import time
 
 import torch
+from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from hf_spec.mixin import speculative
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
+from hf_spec.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
 from hf_spec.validation import DEFAULT_NUM_DRAFT_TOKENS
+
+TINY = "tiny"  # the built-in random-weight pair: token ids in and out, no tokenizer
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 class _IdStreamer(BaseStreamer):
-    """Prints generated token ids as they arrive (the built-in pair has no tokenizer)."""
+    """Prints generated token ids as they arrive (the tiny pair has no tokenizer)."""
 
     def __init__(self):
         self.is_prompt = True
@@ -34,18 +40,27 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hf-spec", description="Exact speculative decoding for transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser(
-        "generate",
-        help="speculative generation on the built-in pair, with statistics and a target-only comparison",
+        "generate", help="speculative generation with streamed output, statistics and tokens/s",
     )
-    generate.add_argument("--prompt-ids", default="1 2 3 4 5", help="space-separated token ids (default: %(default)s)")
+    generate.add_argument("--target", default=DEFAULT_TARGET,
+                          help=f"built-in name, local folder or Hub id; {TINY!r} for the random tiny pair "
+                               "(default: %(default)s)")
+    generate.add_argument("--draft", default=DEFAULT_DRAFT, help="as --target (default: %(default)s)")
+    generate.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text, sent as a chat message when the "
+                          "tokenizer has a chat template (default: %(default)r)")
+    generate.add_argument("--no-chat", action="store_true", help="send --prompt as plain text to complete")
+    generate.add_argument("--prompt-ids", default="1 2 3 4 5", help=f"with --target {TINY}: space-separated ids")
     generate.add_argument("--max-new-tokens", type=int, default=128)
     generate.add_argument("--num-assistant-tokens", "-k", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
     generate.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
     generate.add_argument("--temperature", type=float, default=None)
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--seed", type=int, default=0, help="seeds the models and the sampling generator")
-    generate.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    generate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                          help="model weights (default: %(default)s; bf16 pays off on CPUs with AMX)")
+    generate.add_argument("--seed", type=int, default=0, help="seeds the tiny pair and the sampling generator")
+    generate.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    generate.add_argument("--compare", action="store_true", help="also time target-only generate, same settings")
     generate.add_argument("--json", action="store_true", help="print the statistics as JSON")
     return parser.parse_args(argv)
 
@@ -60,42 +75,64 @@ def _prompt_ids(text: str) -> torch.Tensor:
     return torch.tensor([ids])
 
 
+def _models_and_inputs(args: argparse.Namespace):
+    """``(target, draft, inputs, streamer)`` for the chosen models."""
+    if args.target == TINY or args.draft == TINY:
+        if args.target != args.draft:
+            raise SystemExit(f"--target {TINY} goes with --draft {TINY}, got --target {args.target!r} "
+                             f"--draft {args.draft!r}")
+        target, draft = build_tiny_pair(seed=args.seed)
+        print("built-in tiny pair: random-weight Llama target and a perturbed copy as draft (no meaningful text)")
+        return target, draft, {"input_ids": _prompt_ids(args.prompt_ids)}, _IdStreamer()
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load(args.target, dtype=dtype)
+    draft, _ = load(args.draft, dtype=dtype)
+    if tokenizer.chat_template and not args.no_chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = args.prompt
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    return speculative(target), draft, dict(inputs), TextStreamer(tokenizer, skip_prompt=True)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    prompt = _prompt_ids(args.prompt_ids)
-    target, draft = build_tiny_pair(seed=args.seed)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target, draft, inputs, streamer = _models_and_inputs(args)
     settings = {
         "max_new_tokens": args.max_new_tokens,
         "do_sample": args.do_sample,
         **{name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None},
     }
-    print("built-in pair: random-weight Llama target and a perturbed copy as draft (no meaningful text)")
+    prompt_length = inputs["input_ids"].shape[1]
     started = time.perf_counter()
     output = target.generate(
-        prompt, assistant_model=draft, num_assistant_tokens=args.num_assistant_tokens, streamer=_IdStreamer(),
+        **inputs, assistant_model=draft, num_assistant_tokens=args.num_assistant_tokens, streamer=streamer,
         generator=torch.Generator().manual_seed(args.seed), return_dict_in_generate=True, **settings,
     )
     speculative_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    target_only_ids = target.generate(prompt, **settings)
-    target_only_seconds = time.perf_counter() - started
-
     stats = output.speculative_stats
-    num_new = output.sequences.shape[1] - prompt.shape[1]
+    num_new = output.sequences.shape[1] - prompt_length
     report = {
-        **stats.to_dict(),
-        "new_tokens": num_new,
-        "speculative_tokens_per_second": num_new / speculative_seconds,
-        "target_only_tokens_per_second": (target_only_ids.shape[1] - prompt.shape[1]) / target_only_seconds,
+        **stats.to_dict(), "new_tokens": num_new, "speculative_tokens_per_second": num_new / speculative_seconds,
+        "threads": torch.get_num_threads(), "dtype": args.dtype, "target": args.target, "draft": args.draft,
     }
+    if args.compare:
+        started = time.perf_counter()
+        target_only_ids = target.generate(**inputs, **settings)
+        report["target_only_tokens_per_second"] = (
+            (target_only_ids.shape[1] - prompt_length) / (time.perf_counter() - started)
+        )
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        print(stats)
-        print(
-            f"tokens/s: speculative {report['speculative_tokens_per_second']:.1f}, target only "
-            f"{report['target_only_tokens_per_second']:.1f} (same settings, {args.threads} thread(s))"
-        )
+        return 0
+    print(stats)
+    line = f"tokens/s: speculative {report['speculative_tokens_per_second']:.2f}"
+    if args.compare:
+        line += f", target only {report['target_only_tokens_per_second']:.2f} (same settings)"
+    print(f"{line}; {report['threads']} thread(s), {args.dtype}")
     return 0
 
 

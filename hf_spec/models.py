@@ -1,8 +1,7 @@
-"""Built-in default models.
+"""The built-in tiny pair (``hf-spec generate --target tiny --draft tiny``; real models: `hf_spec.pretrained`).
 
-Until real checkpoints are wired in, the default pair is built from a config in milliseconds, offline: a small
-random-weight Llama target and a draft made from it by perturbing its weights, so that the draft agrees with the
-target often but not always. It exercises every part of speculative decoding (acceptance, rejection, bonus tokens,
+Built from a config in milliseconds, offline: a small random-weight Llama target and a draft made from it by
+perturbing its weights, so that the draft agrees with the target often but not always. It exercises every part of speculative decoding (acceptance, rejection, bonus tokens,
 rollback) but, having random weights, produces no meaningful text and no speed-up worth quoting.
 """
 

@@ -10,9 +10,12 @@ import torch
 from hf_spec.cli import main
 from hf_spec.models import build_tiny_pair
 
+TINY = ["--target", "tiny", "--draft", "tiny"]
+
 
 def test_generate_prints_tokens_and_statistics(capsys):
-    assert main(["generate", "--max-new-tokens", "20", "--do-sample", "--temperature", "0.7", "--json"]) == 0
+    argv = ["generate", *TINY, "--max-new-tokens", "20", "--do-sample", "--temperature", "0.7", "--json", "--compare"]
+    assert main(argv) == 0
     output = capsys.readouterr().out
     report = json.loads(output[output.index("{") :])
     assert report["new_tokens"] == 20
@@ -20,9 +23,22 @@ def test_generate_prints_tokens_and_statistics(capsys):
     assert report["speculative_tokens_per_second"] > 0 and report["target_only_tokens_per_second"] > 0
 
 
-def test_generate_rejects_bad_prompt_ids():
+def test_generate_rejects_bad_prompt_ids_and_mixed_pairs():
     with pytest.raises(SystemExit, match="prompt-ids"):
-        main(["generate", "--prompt-ids", "1 x 3"])
+        main(["generate", *TINY, "--prompt-ids", "1 x 3"])
+    with pytest.raises(SystemExit, match="--target tiny goes with --draft tiny"):
+        main(["generate", "--target", "tiny"])
+
+
+@pytest.mark.slow
+def test_generate_streams_text_from_a_real_model(capsys):
+    """SmolLM2-135M as target and draft (downloaded once): a chat prompt in, streamed text and statistics out."""
+    argv = ["generate", "--target", "smollm2-135m-instruct", "--draft", "smollm2-135m-instruct",
+            "--prompt", "What is 2 + 2?", "--max-new-tokens", "12", "--threads", "1"]
+    assert main(argv) == 0
+    output = capsys.readouterr().out
+    assert "accepted" in output and "tokens/s: speculative" in output
+    assert "100.0%" in output, "a draft with the target's weights is always accepted"
 
 
 def test_built_in_pair_greedy_matches_target_only():
