@@ -36,6 +36,13 @@ class _IdStreamer(BaseStreamer):
         print(flush=True)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hf-spec", description="Exact speculative decoding for transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -50,7 +57,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                           "tokenizer has a chat template (default: %(default)r)")
     generate.add_argument("--no-chat", action="store_true", help="send --prompt as plain text to complete")
     generate.add_argument("--prompt-ids", default="1 2 3 4 5", help=f"with --target {TINY}: space-separated ids")
-    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=128)
     generate.add_argument("--num-assistant-tokens", "-k", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
     generate.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
     generate.add_argument("--temperature", type=float, default=None)
@@ -59,7 +66,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     generate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                           help="model weights (default: %(default)s; bf16 pays off on CPUs with AMX)")
     generate.add_argument("--seed", type=int, default=0, help="seeds the tiny pair and the sampling generator")
-    generate.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    generate.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     generate.add_argument("--compare", action="store_true", help="also time target-only generate, same settings")
     generate.add_argument("--json", action="store_true", help="print the statistics as JSON")
     return parser.parse_args(argv)

@@ -37,7 +37,6 @@ class RaggedBatch:
     row_ids: torch.Tensor  # [batch, width]: prompt + generated tokens, then pad; width = max(lengths)
     lengths: list[int]  # [batch]: the real length of each row
     active_rows: torch.Tensor  # [active] int64: rows still generating, as indices into the batch
-    is_active: list[bool]  # [batch]
     model_ids: torch.Tensor  # [active, columns]: the last column is every active row's newest token
     model_mask: torch.Tensor | None  # [active, columns]; None only for one row without padding (no holes ever)
     pad_token_id: int
@@ -49,7 +48,7 @@ class RaggedBatch:
             attention_mask = torch.ones_like(input_ids)
         return cls(
             row_ids=input_ids, lengths=[prompt_length] * batch_size,
-            active_rows=torch.arange(batch_size, device=input_ids.device), is_active=[True] * batch_size,
+            active_rows=torch.arange(batch_size, device=input_ids.device),
             model_ids=input_ids, model_mask=attention_mask, pad_token_id=pad_token_id,
         )
 
@@ -62,7 +61,7 @@ class RaggedBatch:
         return self.active_rows.shape[0]
 
     def active_lengths(self) -> list[int]:
-        return [length for length, active in zip(self.lengths, self.is_active) if active]
+        return [self.lengths[row] for row in self.active_rows.tolist()]
 
     def to_batch(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """``[active, ...]`` -> ``[batch, ...]``, finished rows filled with ``fill``."""
@@ -153,8 +152,6 @@ class RaggedBatch:
 
         # 2. Models' view: continuing rows, holes where a row accepted fewer tokens than the most-accepting one.
         staying = [a for a in range(self.num_active) if not is_done[a]]
-        for a, row in enumerate(self.active_rows.tolist()):
-            self.is_active[row] = not is_done[a]
         if not staying:  # the last round: every row's kept tokens, holes after a row's last one
             self._append_columns(output_ids, torch.tensor(num_kept, device=output_ids.device), None)
             self.active_rows = self.active_rows[:0]

@@ -23,11 +23,15 @@ def test_generate_prints_tokens_and_statistics(capsys):
     assert report["speculative_tokens_per_second"] > 0 and report["target_only_tokens_per_second"] > 0
 
 
-def test_generate_rejects_bad_prompt_ids_and_mixed_pairs():
+def test_generate_rejects_bad_prompt_ids_and_mixed_pairs(capsys):
     with pytest.raises(SystemExit, match="prompt-ids"):
         main(["generate", *TINY, "--prompt-ids", "1 x 3"])
     with pytest.raises(SystemExit, match="--target tiny goes with --draft tiny"):
         main(["generate", "--target", "tiny"])
+    for option in ("--threads", "--max-new-tokens"):
+        with pytest.raises(SystemExit):
+            main(["generate", *TINY, option, "0"])
+    assert f"{option}: must be a positive integer, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
