@@ -5,7 +5,7 @@
     >>> model.generate(**inputs, assistant_model=draft, do_sample=True, temperature=0.7)
 """
 
-from hf_spec.mixin import SpeculativeDecoderOnlyOutput, SpeculativeGenerationMixin, speculative
+from hf_spec.mixin import SpeculativeDecoderOnlyOutput, SpeculativeGenerationMixin, speculative, without_speculation
 from hf_spec.rejection import accept_draft_tokens, accept_greedy, sample_from_weights
 from hf_spec.stats import SpeculativeStats
 
@@ -17,4 +17,5 @@ __all__ = [
     "accept_greedy",
     "sample_from_weights",
     "speculative",
+    "without_speculation",
 ]

@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from hf_spec.bench import METHODS, SETTINGS, format_table, plot, random_workloads, run_benchmark, text_workloads
 from hf_spec.mixin import speculative
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
 from hf_spec.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
@@ -43,32 +44,60 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _model_arguments() -> argparse.ArgumentParser:
+    """Options shared by every subcommand: which models, in what dtype, on how many threads."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"built-in name, local folder or Hub id; {TINY!r} for the random tiny pair "
+                             "(default: %(default)s)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="as --target (default: %(default)s)")
+    parser.add_argument("--num-assistant-tokens", "-k", type=_positive_int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                        help="draft tokens per round (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model weights (default: %(default)s; bf16 pays off on CPUs with AMX)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the tiny pair and sampling")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    return parser
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hf-spec", description="Exact speculative decoding for transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
+    shared = _model_arguments()
     generate = commands.add_parser(
-        "generate", help="speculative generation with streamed output, statistics and tokens/s",
+        "generate", parents=[shared], help="speculative generation with streamed output, statistics and tokens/s",
     )
-    generate.add_argument("--target", default=DEFAULT_TARGET,
-                          help=f"built-in name, local folder or Hub id; {TINY!r} for the random tiny pair "
-                               "(default: %(default)s)")
-    generate.add_argument("--draft", default=DEFAULT_DRAFT, help="as --target (default: %(default)s)")
     generate.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text, sent as a chat message when the "
                           "tokenizer has a chat template (default: %(default)r)")
     generate.add_argument("--no-chat", action="store_true", help="send --prompt as plain text to complete")
     generate.add_argument("--prompt-ids", default="1 2 3 4 5", help=f"with --target {TINY}: space-separated ids")
-    generate.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    generate.add_argument("--num-assistant-tokens", "-k", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
     generate.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
     generate.add_argument("--temperature", type=float, default=None)
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                          help="model weights (default: %(default)s; bf16 pays off on CPUs with AMX)")
-    generate.add_argument("--seed", type=int, default=0, help="seeds the tiny pair and the sampling generator")
-    generate.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     generate.add_argument("--compare", action="store_true", help="also time target-only generate, same settings")
     generate.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    bench = commands.add_parser(
+        "bench", parents=[shared],
+        help="target-only, transformers' assisted generation and hf_spec side by side (JSON, PNG, table)",
+        description="Runs target-only generate, transformers' generate(assistant_model=) (at its best: constant "
+                    "schedule, same k, no confidence threshold; and at its defaults) and hf_spec, interleaved, on "
+                    "the same prompts and settings.",
+    )
+    bench.add_argument("--workloads", nargs="+", default=["code", "prose"], choices=["code", "prose"],
+                       help="code: HumanEval prompts completed as text; prose: chat requests for prose")
+    bench.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                       help="greedy, and/or sampled at temperature 0.7, top-p 0.9")
+    bench.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                       help="target_only is always run (every ratio is relative to it)")
+    bench.add_argument("--prompts", type=_positive_int, default=3, help="prompts per workload (default: %(default)s)")
+    bench.add_argument("--repeats", type=_positive_int, default=1, help="calls per prompt and method")
+    bench.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")
+    bench.add_argument("--plot", default="bench.png", help="plot file (default: %(default)s)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
@@ -82,18 +111,28 @@ def _prompt_ids(text: str) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-def _models_and_inputs(args: argparse.Namespace):
-    """``(target, draft, inputs, streamer)`` for the chosen models."""
+def _load_models(args: argparse.Namespace):
+    """``(speculative target, draft, tokenizer or None)``; the tiny pair has no tokenizer."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.target == TINY or args.draft == TINY:
         if args.target != args.draft:
             raise SystemExit(f"--target {TINY} goes with --draft {TINY}, got --target {args.target!r} "
                              f"--draft {args.draft!r}")
         target, draft = build_tiny_pair(seed=args.seed)
         print("built-in tiny pair: random-weight Llama target and a perturbed copy as draft (no meaningful text)")
-        return target, draft, {"input_ids": _prompt_ids(args.prompt_ids)}, _IdStreamer()
+        return speculative(target), draft, None
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load(args.target, dtype=dtype)
     draft, _ = load(args.draft, dtype=dtype)
+    return speculative(target), draft, tokenizer
+
+
+def _models_and_inputs(args: argparse.Namespace):
+    """``(target, draft, inputs, streamer)`` for the chosen models."""
+    target, draft, tokenizer = _load_models(args)
+    if tokenizer is None:
+        return target, draft, {"input_ids": _prompt_ids(args.prompt_ids)}, _IdStreamer()
     if tokenizer.chat_template and not args.no_chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
@@ -101,12 +140,10 @@ def _models_and_inputs(args: argparse.Namespace):
     else:
         text = args.prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    return speculative(target), draft, dict(inputs), TextStreamer(tokenizer, skip_prompt=True)
+    return target, draft, dict(inputs), TextStreamer(tokenizer, skip_prompt=True)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     target, draft, inputs, streamer = _models_and_inputs(args)
     settings = {
         "max_new_tokens": args.max_new_tokens,
@@ -143,9 +180,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    target, draft, tokenizer = _load_models(args)
+    workloads = tuple(dict.fromkeys(args.workloads))
+    try:
+        if tokenizer is None:
+            inputs = random_workloads(workloads, args.prompts, TINY_VOCAB_SIZE, seed=args.seed)
+        else:
+            inputs = text_workloads(tokenizer, workloads, args.prompts)
+    except ValueError as error:
+        raise SystemExit(f"--prompts: {error}") from None
+    methods = tuple(dict.fromkeys(["target_only", *args.methods]))
+    report = run_benchmark(
+        target, draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
+        methods=methods, k=args.num_assistant_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        seed=args.seed, progress=not args.no_progress,
+    )
+    report["config"].update(target=args.target, draft=args.draft)
+    with open(args.json, "w") as out:
+        json.dump(report, out, indent=2)
+    plot(report, args.plot)
+    print(format_table(report))
+    print(f"wrote {args.json} and {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    return {"generate": _generate}[args.command](args)
+    return {"generate": _generate, "bench": _bench}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOut
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -167,6 +169,25 @@ def speculative(model: PreTrainedModel) -> PreTrainedModel:
     if not isinstance(model, SpeculativeGenerationMixin):
         model.__class__ = _speculative_class(type(model))
     return model
+
+
+@contextlib.contextmanager
+def without_speculation(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Within the block, ``model`` (made `speculative`) runs transformers' own assisted decoding again.
+
+    For side-by-side comparisons on one set of weights::
+
+        >>> with without_speculation(model):
+        ...     model.generate(**inputs, assistant_model=draft)  # transformers' assisted generation
+    """
+    speculative_class = type(model)
+    if not isinstance(model, SpeculativeGenerationMixin):
+        raise TypeError(f"`model` is not speculative (its class is {speculative_class.__name__}); see `speculative`.")
+    model.__class__ = speculative_class.__bases__[1]  # bases: (SpeculativeGenerationMixin, the original class)
+    try:
+        yield model
+    finally:
+        model.__class__ = speculative_class
 
 
 @functools.cache

@@ -1,0 +1,123 @@
+"""``hf-spec bench``: the formula, the counting, and the report it writes (on the tiny pair)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from hf_spec import speculative, without_speculation
+from hf_spec.bench import (
+    ForwardCounter,
+    PeakMemory,
+    acceptance_from_tokens_per_pass,
+    expected_tokens_per_pass,
+    predicted_speedup,
+    random_workloads,
+    run_benchmark,
+    text_workloads,
+)
+from hf_spec.cli import main
+from hf_spec.mixin import SpeculativeGenerationMixin
+from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
+
+TINY = ["--target", "tiny", "--draft", "tiny"]
+RESULT_FIELDS = {
+    "workload", "setting", "method", "calls", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_target_only",
+    "speedup_vs_transformers", "acceptance_rate", "tokens_per_target_pass", "alpha", "predicted_speedup",
+    "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_s",
+    "latency_p90_s", "weights_bytes", "working_memory_bytes", "peak_memory_bytes", "identical_to_target_only",
+}
+
+
+def test_formula_limits_and_a_known_value():
+    assert expected_tokens_per_pass(0.0, 5) == 1.0
+    assert expected_tokens_per_pass(1.0, 5) == 6.0
+    # (1 - 0.8^5) / ((1 - 0.8)(1 + 4 * 0.1)) = 0.67232 / 0.28
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx(2.401142857)
+    # a (k+1)-block costing 2 steps instead of 1
+    assert predicted_speedup(0.8, 4, 0.1, block_cost=2.0) == pytest.approx(0.67232 / 0.2 / 2.4)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.75, 0.99])
+def test_acceptance_is_recovered_from_tokens_per_pass(alpha):
+    assert acceptance_from_tokens_per_pass(expected_tokens_per_pass(alpha, 5), 5) == pytest.approx(alpha, abs=1e-6)
+
+
+def test_forward_counter_counts_one_target_pass_per_token():
+    target, _ = build_tiny_pair(seed=1)
+    with ForwardCounter(target) as calls:
+        target.generate(torch.tensor([[1, 2, 3]]), do_sample=False, max_new_tokens=7)
+    assert calls.count == 7
+    target.generate(torch.tensor([[1, 2, 3]]), do_sample=False, max_new_tokens=2)
+    assert calls.count == 7, "the hook is removed on exit"
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory(torch.device("cpu")) as memory:
+        block = torch.ones(64, 2**20, dtype=torch.uint8)  # 64 MiB, touched
+        block.add_(1)
+        time.sleep(0.05)  # the sampler looks every 5 ms
+        del block
+    assert memory.peak_bytes is not None and memory.peak_bytes >= 48 * 2**20
+
+
+def test_without_speculation_restores_transformers_assisted_decoding():
+    target, draft = make_tiny_model(seed=2), make_tiny_model(seed=3)
+    with pytest.raises(TypeError, match="not speculative"), without_speculation(target):
+        pass
+    target = speculative(target)
+    with without_speculation(target) as plain:
+        assert not isinstance(plain, SpeculativeGenerationMixin)
+        assert plain.generate(torch.tensor([[1, 2]]), assistant_model=draft, max_new_tokens=4).shape == (1, 6)
+    assert isinstance(target, SpeculativeGenerationMixin)
+
+
+def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
+    report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", *TINY, "--prompts", "2", "--max-new-tokens", "12", "--threads", "1", "--no-progress",
+            "--json", str(report_path), "--plot", str(plot_path)]
+    assert main(argv) == 0
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(report_path.read_text())
+    assert "| code | greedy | hf_spec |" in capsys.readouterr().out
+    assert set(report) == {"machine", "config", "weights_bytes", "costs", "results", "runs"}
+    assert {"cpu", "cpu_bf16_flags", "threads", "torch", "transformers", "date"} <= set(report["machine"])
+    assert report["config"]["transformers_assistant_settings"]["transformers"] == {
+        "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    for costs in report["costs"].values():
+        assert costs["target_step_s"] > 0 and costs["draft_step_s"] > 0 and costs["block_cost"] > 0
+    results = {(r["workload"], r["setting"], r["method"]): r for r in report["results"]}
+    assert len(results) == 2 * 2 * 4 and len(report["runs"]) == 2 * 2 * 2 * 4
+    for key, row in results.items():
+        assert set(row) == RESULT_FIELDS, key
+        assert row["tokens_per_s"] > 0 and row["calls"] == 2 and row["latency_p90_s"] >= row["latency_p50_s"]
+        assert row["peak_memory_bytes"] >= row["weights_bytes"] > 0
+        assert row["speedup_vs_transformers"] == pytest.approx(
+            row["tokens_per_s"] / results[(*key[:2], "transformers")]["tokens_per_s"])
+    for workload in ("code", "prose"):
+        ours, theirs = results[(workload, "greedy", "hf_spec")], results[(workload, "greedy", "transformers")]
+        assert ours["identical_to_target_only"] == 1.0 and theirs["identical_to_target_only"] == 1.0
+        # Greedy: both keep the same matching prefix, so their forward-pass counts agree.
+        assert ours["tokens_per_target_pass"] == pytest.approx(theirs["tokens_per_target_pass"])
+        assert ours["predicted_speedup"] > 0 and 0 < ours["acceptance_rate"] <= 1
+        baseline = results[(workload, "greedy", "target_only")]
+        assert baseline["tokens_per_target_pass"] == 1.0 and baseline["predicted_speedup"] is None
+
+
+def test_bench_rejects_bad_input():
+    target, draft = build_tiny_pair(seed=0)
+    workloads = random_workloads(("code",), 1, TINY_VOCAB_SIZE)
+    with pytest.raises(ValueError, match="must include 'target_only'"):
+        run_benchmark(target, draft, workloads, methods=("hf_spec",), progress=False)
+    with pytest.raises(ValueError, match="subset of"):
+        run_benchmark(target, draft, workloads, methods=("target_only", "vllm"), progress=False)
+    with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
+        run_benchmark(target, draft, {"code": []}, progress=False)
+    with pytest.raises(ValueError, match="prose workload has 8 prompts; `num_prompts` is 9"):
+        text_workloads(None, ("prose",), 9)
+    with pytest.raises(ValueError, match="Unknown workload 'poetry'"):
+        text_workloads(None, ("poetry",), 1)
