@@ -11,7 +11,17 @@ import torch
 from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.bench import METHODS, SETTINGS, format_table, plot, random_workloads, run_benchmark, text_workloads
+from hf_spec.bench import (
+    DEFAULT_METHODS,
+    METHODS,
+    SETTINGS,
+    WORKLOADS,
+    method_spec,
+    random_workloads,
+    run_benchmark,
+    text_workloads,
+)
+from hf_spec.bench_report import format_table, plot
 from hf_spec.mixin import speculative
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
 from hf_spec.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
@@ -42,6 +52,14 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _method(text: str) -> str:
+    try:
+        method_spec(text, 1)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _model_arguments() -> argparse.ArgumentParser:
@@ -87,12 +105,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "schedule, same k, no confidence threshold; and at its defaults) and hf_spec, interleaved, on "
                     "the same prompts and settings.",
     )
-    bench.add_argument("--workloads", nargs="+", default=["code", "prose"], choices=["code", "prose"],
-                       help="code: HumanEval prompts completed as text; prose: chat requests for prose")
+    bench.add_argument("--workloads", nargs="+", default=["code", "prose"], choices=WORKLOADS,
+                       help="code: HumanEval prompts completed as text; prose: chat requests for prose; edit: add "
+                            "type hints to a given function (default: code prose)")
     bench.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
                        help="greedy, and/or sampled at temperature 0.7, top-p 0.9")
-    bench.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
-                       help="target_only is always run (every ratio is relative to it)")
+    bench.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
+                       help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N); target_only is always "
+                            "run, every ratio is relative to it (default: %(default)s)")
     bench.add_argument("--prompts", type=_positive_int, default=3, help="prompts per workload (default: %(default)s)")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="calls per prompt and method")
     bench.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")

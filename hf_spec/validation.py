@@ -8,6 +8,8 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_spec.draft_length import DEFAULT_MAX_DRAFT_TOKENS, AutoDraftLength
+
 #: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
 DEFAULT_NUM_DRAFT_TOKENS = 5
 
@@ -15,22 +17,43 @@ DEFAULT_NUM_DRAFT_TOKENS = 5
 SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
 
 
-def resolve_num_draft_tokens(call_value: Any, draft: PreTrainedModel) -> int:
-    """k: ``num_assistant_tokens`` from the call, else from the draft's generation config, else the default.
+def resolve_num_draft_tokens(
+    call_value: Any, draft: PreTrainedModel | None, prompt_lookup_num_tokens: int | None = None
+) -> int | AutoDraftLength:
+    """k, or the `AutoDraftLength` that chooses it: ``num_assistant_tokens`` from the call, else from the draft's
+    generation config, else ``prompt_lookup_num_tokens``, else the default.
 
-    transformers reads it only from the draft's config; here the call wins.
+    ``"auto"`` makes a new `AutoDraftLength` (at most ``prompt_lookup_num_tokens`` tokens with prompt lookup); an
+    `AutoDraftLength` instance is used as is, keeping what it learnt in earlier calls. transformers reads
+    ``num_assistant_tokens`` only from the draft's config; here the call wins.
     """
     value = call_value
-    if value is None:
+    if value is None and draft is not None:
         value = getattr(draft.generation_config, "num_assistant_tokens", None)
     if value is None:
+        value = prompt_lookup_num_tokens
+    if value is None:
         return DEFAULT_NUM_DRAFT_TOKENS
+    if isinstance(value, AutoDraftLength):
+        return value
+    if value == "auto":
+        return AutoDraftLength(max_draft_tokens=prompt_lookup_num_tokens or DEFAULT_MAX_DRAFT_TOKENS)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(
-            f"`num_assistant_tokens` (the draft block length k) must be a positive integer, but is {value!r} "
-            f"({type(value).__name__})."
+            f"`num_assistant_tokens` (the draft block length k) must be a positive integer, 'auto' or an "
+            f"AutoDraftLength, but is {value!r} ({type(value).__name__})."
         )
     return int(value)
+
+
+def resolve_prompt_lookup(generation_config: GenerationConfig) -> tuple[int | None, int]:
+    """``(prompt_lookup_num_tokens or None, max_matching_ngram_size)``, validated (transformers' default n-gram: 2)."""
+    num_tokens = generation_config.prompt_lookup_num_tokens
+    ngram = generation_config.max_matching_ngram_size
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", ngram)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+            raise ValueError(f"`{name}` must be a positive integer, but is {value!r} ({type(value).__name__}).")
+    return num_tokens, 2 if ngram is None else int(ngram)
 
 
 def validate_speculative_call(
@@ -42,25 +65,28 @@ def validate_speculative_call(
 ) -> None:
     """Refuse what the speculative loop cannot do exactly, before any forward pass.
 
-    May set ``generation_config.do_sample = False`` when ``temperature == 0`` (documented: greedy decoding).
+    ``draft`` is ``None`` for prompt lookup alone. May set ``generation_config.do_sample = False`` when
+    ``temperature == 0`` (documented: greedy decoding).
     """
-    if not isinstance(draft, PreTrainedModel):
+    if draft is not None and not isinstance(draft, PreTrainedModel):
         raise TypeError(f"`assistant_model` must be a transformers PreTrainedModel, but is {type(draft).__name__}.")
-    resolve_num_draft_tokens(num_assistant_tokens, draft)
+    prompt_lookup_num_tokens, _ = resolve_prompt_lookup(generation_config)
+    resolve_num_draft_tokens(num_assistant_tokens, draft, prompt_lookup_num_tokens)
     for name, model in (("model", target), ("assistant_model", draft)):
-        if model.config.is_encoder_decoder:
+        if model is not None and model.config.is_encoder_decoder:
             raise ValueError(
                 f"hf_spec supports decoder-only models; `{name}` ({type(model).__name__}) is an encoder-decoder model."
             )
-    if draft.device != target.device:
+    if draft is not None and draft.device != target.device:
         raise ValueError(
             f"`assistant_model` is on {draft.device} but the model is on {target.device}; move the draft to the "
             f"target's (first) device, e.g. `assistant_model.to({str(target.device)!r})`."
         )
     base_mode = generation_config.get_generation_mode()
-    if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+    # prompt lookup turns greedy and sampling into assisted generation, and only those
+    if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
         raise ValueError(
-            f"Speculative decoding with `assistant_model` supports greedy decoding and sampling only, but the "
+            f"Speculative decoding (`assistant_model` or `prompt_lookup_num_tokens`) supports greedy decoding and sampling only, but the "
             f"generation settings select {base_mode.value!r} (num_beams={generation_config.num_beams}, "
             f"penalty_alpha={generation_config.penalty_alpha}, constraints={generation_config.constraints})."
         )

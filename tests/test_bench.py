@@ -10,17 +10,10 @@ import torch
 from conftest import make_tiny_model
 
 from hf_spec import speculative, without_speculation
-from hf_spec.bench import (
-    ForwardCounter,
-    PeakMemory,
-    acceptance_from_tokens_per_pass,
-    expected_tokens_per_pass,
-    predicted_speedup,
-    random_workloads,
-    run_benchmark,
-    text_workloads,
-)
+from hf_spec.bench import random_workloads, run_benchmark, text_workloads
+from hf_spec.bench_report import acceptance_from_tokens_per_pass, expected_tokens_per_pass, predicted_speedup
 from hf_spec.cli import main
+from hf_spec.measure import ForwardCounter, PeakMemory
 from hf_spec.mixin import SpeculativeGenerationMixin
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
 
@@ -86,15 +79,17 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
     assert "| code | greedy | hf_spec |" in capsys.readouterr().out
     assert set(report) == {"machine", "config", "weights_bytes", "costs", "results", "runs"}
     assert {"cpu", "cpu_bf16_flags", "threads", "torch", "transformers", "date"} <= set(report["machine"])
-    assert report["config"]["transformers_assistant_settings"]["transformers"] == {
+    assert report["config"]["method_specs"]["transformers"]["assistant_settings"] == {
         "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
     for costs in report["costs"].values():
-        assert costs["target_step_s"] > 0 and costs["draft_step_s"] > 0 and costs["block_cost"] > 0
+        assert costs["target_step_s"] > 0 and costs["draft_step_s"] > 0 and costs["block_cost_by_k"]["5"] > 0
     results = {(r["workload"], r["setting"], r["method"]): r for r in report["results"]}
-    assert len(results) == 2 * 2 * 4 and len(report["runs"]) == 2 * 2 * 2 * 4
+    # (2 workloads + all of them) x 2 settings x 4 methods; 2 prompts per workload
+    assert len(results) == 3 * 2 * 4 and len(report["runs"]) == 2 * 2 * 2 * 4
     for key, row in results.items():
         assert set(row) == RESULT_FIELDS, key
-        assert row["tokens_per_s"] > 0 and row["calls"] == 2 and row["latency_p90_s"] >= row["latency_p50_s"]
+        assert row["tokens_per_s"] > 0 and row["calls"] == (4 if key[0] == "all" else 2)
+        assert row["latency_p90_s"] >= row["latency_p50_s"]
         assert row["peak_memory_bytes"] >= row["weights_bytes"] > 0
         assert row["speedup_vs_transformers"] == pytest.approx(
             row["tokens_per_s"] / results[(*key[:2], "transformers")]["tokens_per_s"])
@@ -113,7 +108,7 @@ def test_bench_rejects_bad_input():
     workloads = random_workloads(("code",), 1, TINY_VOCAB_SIZE)
     with pytest.raises(ValueError, match="must include 'target_only'"):
         run_benchmark(target, draft, workloads, methods=("hf_spec",), progress=False)
-    with pytest.raises(ValueError, match="subset of"):
+    with pytest.raises(ValueError, match="Unknown method 'vllm'"):
         run_benchmark(target, draft, workloads, methods=("target_only", "vllm"), progress=False)
     with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
         run_benchmark(target, draft, {"code": []}, progress=False)
@@ -121,3 +116,27 @@ def test_bench_rejects_bad_input():
         text_workloads(None, ("prose",), 9)
     with pytest.raises(ValueError, match="Unknown workload 'poetry'"):
         text_workloads(None, ("poetry",), 1)
+
+
+def test_bench_compares_draft_lengths_schedules_and_prompt_lookup(tmp_path):
+    methods = ["hf_spec_k2", "hf_spec_auto", "transformers_heuristic", "transformers_lookup", "hf_spec_lookup",
+               "hf_spec_lookup_draft"]
+    argv = ["bench", *TINY, "--prompts", "1", "--max-new-tokens", "10", "--threads", "1", "--no-progress",
+            "--workloads", "code", "--settings", "greedy", "--methods", *methods,
+            "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["config"]["methods"] == ["target_only", *methods]
+    results = {row["method"]: row for row in report["results"]}
+    for method in methods:
+        assert results[method]["identical_to_target_only"] == 1.0, method
+    assert results["hf_spec_k2"]["predicted_speedup"] is not None and "2" in report["costs"]["code"]["block_cost_by_k"]
+    for method in ("hf_spec_auto", "transformers_heuristic", "hf_spec_lookup", "transformers_lookup"):
+        assert results[method]["predicted_speedup"] is None, method
+    assert results["hf_spec_lookup"]["weights_bytes"] == report["weights_bytes"]["target"], "no draft model used"
+
+
+def test_bench_cli_names_an_unknown_method(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", *TINY, "--methods", "vllm"])
+    assert "Unknown method 'vllm'" in capsys.readouterr().err

@@ -83,10 +83,10 @@ def test_forced_rejection_at_every_position_keeps_caches_exact(target, monkeypat
     snapshots = []
     original_roll_back = hf_spec.decoding._roll_back
 
-    def recording_roll_back(target_cache, draft_cache, num_cached, staying_rows):
-        original_roll_back(target_cache, draft_cache, num_cached, staying_rows)
+    def recording_roll_back(target_cache, drafter, num_cached, staying_rows):
+        original_roll_back(target_cache, drafter, num_cached, staying_rows)
         length = num_cached + 1  # one row, no holes: the committed length
-        snapshots.append((length, [layer.keys.clone() for layer in target_cache.layers], draft_cache.get_seq_length()))
+        snapshots.append((length, [layer.keys.clone() for layer in target_cache.layers], drafter.cache.get_seq_length()))
 
     monkeypatch.setattr(hf_spec.decoding, "_roll_back", recording_roll_back)
     output = target.generate(

@@ -1,0 +1,192 @@
+"""The report of `hf-spec bench`: one row per (workload, setting, method), the formula's prediction, a Markdown
+table and a plot.
+
+The speed-up predicted by the formula (Leviathan et al.) uses the per-token acceptance ``alpha`` that explains the
+measured tokens per target pass, and the draft/target cost ratio ``c`` of single-token steps measured before the runs::
+
+    predicted = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c))
+
+The formula assumes a (k+1)-token verify pass costs one target step. ``predicted_block_cost`` replaces that 1 by the
+measured cost ratio ``b`` of a (k+1)-token block to a step, so the share of it that a method reaches is what its own
+overhead leaves. It applies to methods that draft a fixed k with a draft model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hf_spec.measure import ForwardCosts
+
+#: Every workload together, per setting: a mixed workload.
+ALL_WORKLOADS = "all"
+
+
+@dataclasses.dataclass
+class Run:
+    """One ``generate()`` call."""
+
+    workload: str
+    setting: str
+    method: str
+    prompt: int
+    repeat: int
+    seconds: float
+    new_tokens: int
+    target_passes: int
+    draft_passes: int
+    proposed: int | None
+    accepted: int | None
+    working_memory_bytes: int | None
+    identical_to_target_only: bool | None = None
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """E[tokens per target pass] when each of k draft tokens is accepted with probability ``alpha``, independently."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def acceptance_from_tokens_per_pass(tokens_per_pass: float, k: int) -> float:
+    """The ``alpha`` whose `expected_tokens_per_pass` is ``tokens_per_pass`` (clipped to [1, k+1]), by bisection."""
+    target = min(max(tokens_per_pass, 1.0), k + 1.0)
+    low, high = 0.0, 1.0
+    for _ in range(60):  # the function increases with alpha
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens_per_pass(middle, k) < target else (low, middle)
+    return (low + high) / 2
+
+
+def predicted_speedup(alpha: float, k: int, cost_ratio: float, block_cost: float = 1.0) -> float:
+    """Tokens per unit of target-step time, relative to target-only: E[tokens] / (k c + b)."""
+    return expected_tokens_per_pass(alpha, k) / (k * cost_ratio + block_cost)
+
+
+def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts], method_k: dict[str, int | None],
+              weights: dict[str, int]) -> list[dict]:
+    """One row per (workload, setting, method) with every figure the report shows, then, with several workloads,
+    one row per (setting, method) over all of them (workload ``"all"``).
+
+    Args:
+        methods: in the order to report them.
+        method_k: per method, the fixed k it drafts with a draft model (the formula applies), else ``None``.
+    """
+    workloads = list(dict.fromkeys(run.workload for run in runs))
+    if len(workloads) > 1:
+        runs = runs + [dataclasses.replace(run, workload=ALL_WORKLOADS) for run in runs]
+    cases = list(dict.fromkeys((run.workload, run.setting) for run in runs))
+    groups: dict[tuple[str, str, str], list[Run]] = {}
+    for run in sorted(runs, key=lambda run: (cases.index((run.workload, run.setting)), methods.index(run.method))):
+        groups.setdefault((run.workload, run.setting, run.method), []).append(run)
+    rows = []
+    for (workload, setting, method), group in groups.items():
+        seconds = sum(run.seconds for run in group)
+        tokens = sum(run.new_tokens for run in group)
+        latencies = [run.seconds for run in group]
+        memory = [run.working_memory_bytes for run in group if run.working_memory_bytes is not None]
+        proposed = sum(run.proposed or 0 for run in group)
+        identical = [run.identical_to_target_only for run in group if run.identical_to_target_only is not None]
+        rows.append({
+            "workload": workload, "setting": setting, "method": method, "calls": len(group),
+            "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "acceptance_rate": sum(run.accepted or 0 for run in group) / proposed if proposed else None,
+            "tokens_per_target_pass": tokens / max(1, sum(run.target_passes for run in group)),
+            "latency_p50_s": float(np.percentile(latencies, 50)),
+            "latency_p90_s": float(np.percentile(latencies, 90)),
+            "weights_bytes": weights["target"] + (weights["draft"] if any(run.draft_passes for run in group) else 0),
+            "working_memory_bytes": max(memory) if memory else None,
+            "identical_to_target_only": sum(identical) / len(identical) if identical else None,
+        })
+        row = rows[-1]
+        row["peak_memory_bytes"] = row["weights_bytes"] + (row["working_memory_bytes"] or 0)
+    by_key = {(row["workload"], row["setting"], row["method"]): row for row in rows}
+    for row in rows:
+        key = (row["workload"], row["setting"])
+        baseline = by_key[(*key, "target_only")]["tokens_per_s"]
+        row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline
+        transformers_row = by_key.get((*key, "transformers"))
+        row["speedup_vs_transformers"] = row["tokens_per_s"] / transformers_row["tokens_per_s"] if transformers_row else None
+        row.update(_prediction(row, costs.get(row["workload"]), method_k[row["method"]]))
+    return rows
+
+
+def _prediction(row: dict, costs: ForwardCosts | None, k: int | None) -> dict:
+    """The formula's speed-up for a method drafting exactly k tokens per pass, and the share of it measured."""
+    if k is None or costs is None:
+        return dict.fromkeys(("alpha", "predicted_speedup", "predicted_speedup_block_cost", "share_of_predicted",
+                              "share_of_predicted_block_cost"))
+    alpha = acceptance_from_tokens_per_pass(row["tokens_per_target_pass"], k)
+    predicted = predicted_speedup(alpha, k, costs.cost_ratio)
+    predicted_block = predicted_speedup(alpha, k, costs.cost_ratio, costs.block_cost(k))
+    return {
+        "alpha": alpha, "predicted_speedup": predicted, "predicted_speedup_block_cost": predicted_block,
+        "share_of_predicted": row["speedup_vs_target_only"] / predicted,
+        "share_of_predicted_block_cost": row["speedup_vs_target_only"] / predicted_block,
+    }
+
+
+def format_table(report: dict) -> str:
+    """The results as a Markdown table."""
+    def number(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    header = (
+        "| workload | setting | method | tok/s | vs target-only | vs transformers | acceptance | tokens/pass "
+        "| predicted (b=1) | predicted (measured b) | share of predicted (measured b) | p50 s | p90 s | peak MB "
+        "| identical to target-only |"
+    )
+    lines = [header, "|" + "---|" * 15]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_s']:.2f} "
+            f"| {row['speedup_vs_target_only']:.2f}x | {number(row['speedup_vs_transformers'], '.2f')}x "
+            f"| {number(row['acceptance_rate'], '.2f')} | {row['tokens_per_target_pass']:.2f} "
+            f"| {number(row['predicted_speedup'], '.2f')} | {number(row['predicted_speedup_block_cost'], '.2f')} "
+            f"| {number(row['share_of_predicted_block_cost'], '.0%')} | {row['latency_p50_s']:.1f} "
+            f"| {row['latency_p90_s']:.1f} | {row['peak_memory_bytes'] / 2**20:.0f} "
+            f"| {number(row['identical_to_target_only'], '.0%')} |"
+        )
+    costs = "; ".join(
+        f"{name}: c = {c['cost_ratio']:.2f}, " + ", ".join(f"b(k={k}) = {b:.2f}" for k, b in c["block_cost_by_k"].items())
+        for name, c in report["costs"].items()
+    )
+    return "\n".join(lines) + f"\n\nMeasured cost ratios: {costs}.\nMachine: {report['machine']}"
+
+
+def plot(report: dict, path: str) -> None:
+    """Speed-up over target-only (bars; the formula's prediction as a tick where it applies) and tokens per pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    groups = list(dict.fromkeys((row["workload"], row["setting"]) for row in rows))
+    methods = [m for m in report["config"]["methods"] if m != "target_only"]
+    figure, (speed, passes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(methods))
+    by_key = {(row["workload"], row["setting"], row["method"]): row for row in rows}
+    has_prediction = False
+    for offset, method in enumerate(methods):
+        xs = [g + offset * width for g in range(len(groups))]
+        speed.bar(xs, [by_key[(*key, method)]["speedup_vs_target_only"] for key in groups], width, label=method)
+        passes.bar(xs, [by_key[(*key, method)]["tokens_per_target_pass"] for key in groups], width, label=method)
+        predicted = [by_key[(*key, method)]["predicted_speedup_block_cost"] for key in groups]
+        if any(value is not None for value in predicted):
+            speed.scatter(xs, [float("nan") if value is None else value for value in predicted], marker="_", s=400,
+                          color="black", zorder=3, label=None if has_prediction else "formula, measured block cost")
+            has_prediction = True
+    ticks = [g + width * (len(methods) - 1) / 2 for g in range(len(groups))]
+    for axes, title in ((speed, "speed-up over target-only"), (passes, "tokens per target pass")):
+        axes.set_xticks(ticks, [f"{w}\n{s}" for w, s in groups])
+        axes.set_title(title)
+    speed.axhline(1.0, color="grey", linewidth=1)
+    speed.legend(fontsize=8)
+    machine = report["machine"]
+    figure.suptitle(f"k={report['config']['k']}, {report['config']['dtype']}, {machine['threads']} threads, "
+                    f"{machine['cuda'] or machine['cpu']}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

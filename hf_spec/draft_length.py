@@ -1,0 +1,155 @@
+"""How many tokens to draft each round: the k that maximizes expected emitted tokens per second.
+
+With a_i the probability that the draft token at block position i is accepted given that the ones before it were,
+a round that drafts k tokens emits in expectation
+
+    E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1}
+
+and costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the
+call, and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1))`` before every round:
+
+- acceptance per block position: counts with exponential forgetting (so it follows the text as it changes between
+  code and prose), shrunk towards the pooled rate of all positions, which is shrunk towards a prior;
+- costs: the draft's seconds per forward pass and the target's seconds per pass of each block size, measured (means
+  with forgetting); a block size not measured yet is interpolated, or extrapolated with the slope measured so far
+  (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed.
+
+k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts
+a single token so the acceptance estimate can recover. With a model-free drafter (prompt lookup) draft steps cost
+nothing and only the block cost limits k.
+
+No state outlives a ``generate()`` call unless you pass your own instance, ``num_assistant_tokens=AutoDraftLength()``,
+to several calls: then it starts each call from what the previous ones measured (warm start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+#: Drafted tokens per round at most, unless the caller says otherwise.
+DEFAULT_MAX_DRAFT_TOKENS = 10
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E[tokens emitted by a round drafting k tokens] = 1 + sum_{i<k} prod_{j<=i} a_j (a_j: ``acceptance[j]``)."""
+    total, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= acceptance[i]
+        total += reach
+    return total
+
+
+def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> int:
+    """The k in ``0 .. len(block_seconds) - 1`` with the most expected tokens per second.
+
+    Args:
+        acceptance: ``a_i`` for block positions ``0 .. len(block_seconds) - 2``.
+        draft_step_seconds: one draft forward pass (0 for a model-free drafter).
+        block_seconds: ``block_seconds[k]``: a target pass over ``k + 1`` tokens.
+    """
+    rates = [expected_tokens(acceptance, k) / (k * draft_step_seconds + block_seconds[k])
+             for k in range(len(block_seconds))]
+    return max(range(len(rates)), key=rates.__getitem__)
+
+
+@dataclasses.dataclass
+class _Mean:
+    """A mean with exponential forgetting: each new value weighs ``1 - decay`` of the total once warmed up."""
+
+    decay: float
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.total = self.decay * self.total + value * weight
+        self.weight = self.decay * self.weight + weight
+
+    def get(self, default: float) -> float:
+        return self.total / self.weight if self.weight > 0 else default
+
+
+class AutoDraftLength:
+    """Chooses k before every round from acceptance and costs measured online (see the module docstring).
+
+    Args:
+        max_draft_tokens: largest k considered.
+        initial: k of the first round, before anything is measured.
+        prior_acceptance, prior_weight: the acceptance assumed before any round, worth this many observations.
+        decay: forgetting factor per observation, in (0, 1]; 1 never forgets.
+        explore_every: after this many rounds at k = 0, draft one token once.
+    """
+
+    def __init__(self, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, initial: int = 4,
+                 prior_acceptance: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97, explore_every: int = 8):
+        for name, value, low in (("max_draft_tokens", max_draft_tokens, 1), ("initial", initial, 0),
+                                 ("explore_every", explore_every, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}, but is {value!r}.")
+        if not 0.0 < prior_acceptance < 1.0 or prior_weight <= 0:
+            raise ValueError(f"`prior_acceptance` must be in (0, 1) and `prior_weight` > 0, but are "
+                             f"{prior_acceptance!r} and {prior_weight!r}.")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"`decay` must be in (0, 1], but is {decay!r}.")
+        self.max_draft_tokens, self.initial = max_draft_tokens, min(initial, max_draft_tokens)
+        self.prior_acceptance, self.prior_weight, self.explore_every = prior_acceptance, prior_weight, explore_every
+        self._accepted = [_Mean(decay) for _ in range(max_draft_tokens)]  # per position: P(accepted | reached)
+        self._draft_step = _Mean(decay)
+        self._block = {}  # block size -> _Mean of seconds
+        self._decay = decay
+        self._rounds_without_draft = 0
+        self.chosen: list[int] = []  # k of every round, in order (across calls when reused)
+
+    def acceptance(self) -> list[float]:
+        """Estimated P(accepted | reached) per block position."""
+        pooled_total = sum(m.total for m in self._accepted)
+        pooled_weight = sum(m.weight for m in self._accepted)
+        pooled = ((pooled_total + self.prior_acceptance * self.prior_weight) / (pooled_weight + self.prior_weight))
+        return [(m.total + pooled * self.prior_weight) / (m.weight + self.prior_weight) for m in self._accepted]
+
+    def block_seconds(self, size: int) -> float | None:
+        """Estimated seconds of a target pass over ``size`` tokens (``None`` before any measurement)."""
+        known = sorted((s, m.get(0.0)) for s, m in self._block.items())
+        if not known:
+            return None
+        if len(known) == 1:
+            return known[0][1]
+        for (s0, t0), (s1, t1) in itertools.pairwise(known):
+            if s0 <= size <= s1:
+                return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
+        (s0, t0), (s1, t1) = (known[0], known[1]) if size < known[0][0] else (known[-2], known[-1])
+        slope = max(0.0, (t1 - t0) / (s1 - s0))
+        return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
+
+    def choose(self, limit: int, is_model_draft: bool = True) -> int:
+        """k for the next round, at most ``limit`` (tokens left before ``max_length``)."""
+        limit = max(0, min(limit, self.max_draft_tokens))
+        if self.block_seconds(1) is None:
+            k = self.initial
+        elif self._rounds_without_draft >= self.explore_every:
+            k = 1
+        else:
+            draft_step = self._draft_step.get(0.0) if is_model_draft else 0.0
+            blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
+            k = best_draft_length(self.acceptance(), draft_step, blocks)
+        k = min(k, limit)
+        self._rounds_without_draft = self._rounds_without_draft + 1 if k == 0 else 0
+        self.chosen.append(k)
+        return k
+
+    def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
+               verify_seconds: float | None) -> None:
+        """Learn from a finished round: each active row's accepted count, and the round's timings.
+
+        Args:
+            num_draft_tokens: tokens proposed per row this round.
+            num_accepted: per active row.
+            verify_seconds: the target pass, or ``None`` when it must not be timed (the first round's prefill).
+        """
+        for accepted in num_accepted:
+            for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
+                self._accepted[position].add(float(position < accepted))
+        if verify_seconds is not None:
+            if num_model_steps > 0:
+                self._draft_step.add(draft_seconds / num_model_steps)
+            self._block.setdefault(num_draft_tokens + 1, _Mean(self._decay)).add(verify_seconds)

@@ -1,0 +1,135 @@
+"""``num_assistant_tokens="auto"``: the k chooser's maths, its learning, and what it leaves behind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_noisy_copy, make_tiny_model
+
+from hf_spec import speculative
+from hf_spec.draft_length import AutoDraftLength, best_draft_length, expected_tokens
+
+
+def analytic_best_k(a: float, c: float, b: list[float]) -> int:
+    """Brute force over the closed form (1 - a^(k+1)) / (1 - a) / (k c + b_k)."""
+    rates = [(1 - a ** (k + 1)) / (1 - a) / (k * c + b[k]) for k in range(len(b))]
+    return max(range(len(b)), key=rates.__getitem__)
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == 1 + 0.5 + 0.25 + 0.125
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0  # nothing past a position that is never accepted
+    assert expected_tokens([0.9, 0.8], 2) == pytest.approx(1 + 0.9 + 0.72)
+
+
+@pytest.mark.parametrize("a", [0.1, 0.4, 0.6, 0.8, 0.9, 0.97])
+@pytest.mark.parametrize("c", [0.0, 0.02, 0.1, 0.3, 0.6])
+@pytest.mark.parametrize("slope", [0.0, 0.1, 0.5])
+def test_chooser_picks_the_analytic_best_k(a, c, slope):
+    blocks = [1.0 + slope * k for k in range(11)]  # block_seconds[k]: a pass over k + 1 tokens, in target steps
+    assert best_draft_length([a] * 10, c, blocks) == analytic_best_k(a, c, blocks)
+
+
+def test_no_draft_when_nothing_is_accepted_and_drafting_costs():
+    assert best_draft_length([0.0] * 5, 0.3, [1.0] * 6) == 0
+
+
+def simulate(chooser: AutoDraftLength, a: float, c: float, slope: float, rounds: int, seed: int) -> list[int]:
+    """Rounds against a synthetic pair: i.i.d. acceptance a, draft step c, block of m tokens 1 + slope (m - 1)."""
+    rng = random.Random(seed)
+    ks = []
+    for round_index in range(rounds):
+        k = chooser.choose(limit=100)
+        accepted = next((i for i in range(k) if rng.random() >= a), k)
+        chooser.update(k, [accepted], draft_seconds=k * c, num_model_steps=k,
+                       verify_seconds=None if round_index == 0 else 1.0 + slope * k)
+        ks.append(k)
+    return ks
+
+
+@pytest.mark.parametrize("a, c, slope", [(0.9, 0.05, 0.0), (0.7, 0.3, 0.0), (0.8, 0.1, 0.4), (0.3, 0.5, 0.5),
+                                         (0.95, 0.0, 0.1)])
+def test_auto_reaches_the_best_rate_on_a_synthetic_pair(a, c, slope):
+    """After a warm-up, the k it settles on earns at least 95% of the best fixed k's expected rate."""
+    chooser = AutoDraftLength()
+    ks = simulate(chooser, a, c, slope, rounds=400, seed=1)
+    blocks = [1.0 + slope * k for k in range(11)]
+
+    def rate(k):
+        return (1 - a ** (k + 1)) / (1 - a) / (k * c + blocks[k])
+
+    best = max(rate(k) for k in range(11))
+    achieved = sum(rate(k) for k in ks[100:]) / len(ks[100:])
+    assert achieved >= 0.95 * best, (ks[-20:], analytic_best_k(a, c, blocks))
+
+
+def test_auto_follows_a_change_in_acceptance():
+    """Code-like then prose-like text in one call: k goes down when acceptance does (forgetting)."""
+    chooser = AutoDraftLength()
+    simulate(chooser, 0.95, 0.05, 0.05, rounds=200, seed=2)
+    high = chooser.chosen[-1]
+    simulate(chooser, 0.3, 0.05, 0.05, rounds=200, seed=3)
+    assert chooser.chosen[-1] < high
+
+
+def test_auto_explores_after_rounds_without_drafting():
+    chooser = AutoDraftLength(explore_every=4)
+    simulate(chooser, 0.0, 0.5, 0.0, rounds=60, seed=4)
+    assert 0 in chooser.chosen[10:] and 1 in chooser.chosen[10:]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_draft_tokens": 0}, "`max_draft_tokens` must be an integer >= 1, but is 0"),
+    ({"initial": -1}, "`initial` must be an integer >= 0, but is -1"),
+    ({"decay": 0.0}, "`decay` must be in \\(0, 1\\], but is 0.0"),
+    ({"prior_acceptance": 1.0}, "`prior_acceptance` must be in \\(0, 1\\)"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutoDraftLength(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = speculative(make_tiny_model(seed=20, vocab_size=16))
+    return target, make_noisy_copy(target, seed=21, noise=0.4)
+
+
+def test_auto_greedy_equals_target_only_and_reports_chosen_k(pair):
+    target, draft = pair
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    output = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=60,
+                             num_assistant_tokens="auto", return_dict_in_generate=True)
+    assert torch.equal(output.sequences, expected)
+    stats = output.speculative_stats
+    assert sum(stats.rounds_by_draft_length) == stats.num_rounds
+    assert stats.mean_draft_length == pytest.approx(
+        sum(k * n for k, n in enumerate(stats.rounds_by_draft_length)) / stats.num_rounds)
+
+
+def test_auto_state_does_not_leak_between_calls_unless_an_instance_is_passed(pair):
+    target, draft = pair
+    config_before = draft.generation_config.to_dict()
+    prompt = torch.tensor([[5, 6, 7]])
+    for _ in range(2):
+        target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=20, num_assistant_tokens="auto")
+    assert draft.generation_config.to_dict() == config_before
+    assert target.generation_config.num_assistant_tokens in (None, config_before.get("num_assistant_tokens"))
+
+    warm = AutoDraftLength(initial=2)
+    target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=20, num_assistant_tokens=warm)
+    first_call_rounds = len(warm.chosen)
+    target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=20, num_assistant_tokens=warm)
+    assert len(warm.chosen) > first_call_rounds > 0, "one instance keeps learning across calls"
+    assert warm.block_seconds(1) is not None
+
+
+@pytest.mark.parametrize("value", ["fast", 0, 2.5, True])
+def test_bad_num_assistant_tokens_names_auto(pair, value):
+    target, draft = pair
+    with pytest.raises(ValueError, match="positive integer, 'auto' or an AutoDraftLength, but is"):
+        target.generate(torch.tensor([[1, 2]]), assistant_model=draft, max_new_tokens=3, num_assistant_tokens=value)
