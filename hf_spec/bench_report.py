@@ -1,7 +1,7 @@
 """The report of `hf-spec bench`: one row per (workload, setting, method), the formula's prediction, a Markdown
 table and a plot.
 
-The speed-up predicted by the formula (Leviathan et al.) uses the per-token acceptance ``alpha`` that explains the
+The speed-up predicted by the formula (`hf_spec.speedup`) uses the per-token acceptance ``alpha`` that explains the
 measured tokens per target pass, and the draft/target cost ratio ``c`` of single-token steps measured before the runs::
 
     predicted = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c))
@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from hf_spec.measure import ForwardCosts
+from hf_spec.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 
 #: Every workload together, per setting: a mixed workload.
 ALL_WORKLOADS = "all"
@@ -40,28 +41,6 @@ class Run:
     accepted: int | None
     working_memory_bytes: int | None
     identical_to_target_only: bool | None = None
-
-
-def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """E[tokens per target pass] when each of k draft tokens is accepted with probability ``alpha``, independently."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def acceptance_from_tokens_per_pass(tokens_per_pass: float, k: int) -> float:
-    """The ``alpha`` whose `expected_tokens_per_pass` is ``tokens_per_pass`` (clipped to [1, k+1]), by bisection."""
-    target = min(max(tokens_per_pass, 1.0), k + 1.0)
-    low, high = 0.0, 1.0
-    for _ in range(60):  # the function increases with alpha
-        middle = (low + high) / 2
-        low, high = (middle, high) if expected_tokens_per_pass(middle, k) < target else (low, middle)
-    return (low + high) / 2
-
-
-def predicted_speedup(alpha: float, k: int, cost_ratio: float, block_cost: float = 1.0) -> float:
-    """Tokens per unit of target-step time, relative to target-only: E[tokens] / (k c + b)."""
-    return expected_tokens_per_pass(alpha, k) / (k * cost_ratio + block_cost)
 
 
 def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts], method_k: dict[str, int | None],

@@ -1,11 +1,7 @@
 """How many tokens to draft each round: the k that maximizes expected emitted tokens per second.
 
-With a_i the probability that the draft token at block position i is accepted given that the ones before it were,
-a round that drafts k tokens emits in expectation
-
-    E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1}
-
-and costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the
+A round that drafts k tokens emits E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1} in expectation
+(`hf_spec.speedup`) and costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the
 call, and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1))`` before every round:
 
 - acceptance per block position: counts with exponential forgetting (so it follows the text as it changes between
@@ -27,17 +23,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from hf_spec.speedup import expected_tokens
+
 #: Drafted tokens per round at most, unless the caller says otherwise.
 DEFAULT_MAX_DRAFT_TOKENS = 10
-
-
-def expected_tokens(acceptance: list[float], k: int) -> float:
-    """E[tokens emitted by a round drafting k tokens] = 1 + sum_{i<k} prod_{j<=i} a_j (a_j: ``acceptance[j]``)."""
-    total, reach = 1.0, 1.0
-    for i in range(k):
-        reach *= acceptance[i]
-        total += reach
-    return total
 
 
 def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> int:

@@ -11,11 +11,11 @@ from conftest import make_tiny_model
 
 from hf_spec import speculative, without_speculation
 from hf_spec.bench import random_workloads, run_benchmark, text_workloads
-from hf_spec.bench_report import acceptance_from_tokens_per_pass, expected_tokens_per_pass, predicted_speedup
 from hf_spec.cli import main
 from hf_spec.measure import ForwardCounter, PeakMemory
 from hf_spec.mixin import SpeculativeGenerationMixin
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
+from hf_spec.speedup import acceptance_from_tokens_per_pass, expected_tokens, predicted_speedup
 
 TINY = ["--target", "tiny", "--draft", "tiny"]
 RESULT_FIELDS = {
@@ -27,8 +27,8 @@ RESULT_FIELDS = {
 
 
 def test_formula_limits_and_a_known_value():
-    assert expected_tokens_per_pass(0.0, 5) == 1.0
-    assert expected_tokens_per_pass(1.0, 5) == 6.0
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
     # (1 - 0.8^5) / ((1 - 0.8)(1 + 4 * 0.1)) = 0.67232 / 0.28
     assert predicted_speedup(0.8, 4, 0.1) == pytest.approx(2.401142857)
     # a (k+1)-block costing 2 steps instead of 1
@@ -37,7 +37,7 @@ def test_formula_limits_and_a_known_value():
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.75, 0.99])
 def test_acceptance_is_recovered_from_tokens_per_pass(alpha):
-    assert acceptance_from_tokens_per_pass(expected_tokens_per_pass(alpha, 5), 5) == pytest.approx(alpha, abs=1e-6)
+    assert acceptance_from_tokens_per_pass(expected_tokens(alpha, 5), 5) == pytest.approx(alpha, abs=1e-6)
 
 
 def test_forward_counter_counts_one_target_pass_per_token():

@@ -9,7 +9,8 @@ import torch
 from conftest import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
-from hf_spec.draft_length import AutoDraftLength, best_draft_length, expected_tokens
+from hf_spec.draft_length import AutoDraftLength, best_draft_length
+from hf_spec.speedup import expected_tokens
 
 
 def analytic_best_k(a: float, c: float, b: list[float]) -> int:
