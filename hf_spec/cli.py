@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from hf_spec.acceptance import evaluate_draft, measure_draft, target_continuations
 from hf_spec.bench import (
     DEFAULT_METHODS,
     METHODS,
@@ -22,10 +25,12 @@ from hf_spec.bench import (
     text_workloads,
 )
 from hf_spec.bench_report import format_table, plot
+from hf_spec.corpora import load_texts
+from hf_spec.measure import forward_costs
 from hf_spec.mixin import speculative
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
 from hf_spec.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
-from hf_spec.validation import DEFAULT_NUM_DRAFT_TOKENS
+from hf_spec.validation import DEFAULT_NUM_DRAFT_TOKENS, check_same_vocabulary
 
 TINY = "tiny"  # the built-in random-weight pair: token ids in and out, no tokenizer
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -118,6 +123,41 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     bench.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")
     bench.add_argument("--plot", default="bench.png", help="plot file (default: %(default)s)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--dataset", default="humaneval",
+                      help="humaneval, stdlib, or a .json/.jsonl/.csv/.parquet/.txt file (default: %(default)s)")
+    data.add_argument("--column", default=None, help="the file's column of texts (default: text for .txt, else prompt)")
+    data.add_argument("--offset", type=int, default=0, help="skip this many texts (hold out what you trained on)")
+    data.add_argument("--num-texts", type=_positive_int, default=16, help="texts to use (default: %(default)s)")
+    data.add_argument("--do-sample", action="store_true", help="sampling (default: greedy)")
+    data.add_argument("--temperature", type=float, default=None)
+    data.add_argument("--top-p", type=float, default=None)
+    data.add_argument("--output", default=None, help="write the JSON report here (default: print it)")
+
+    evaluate_draft = commands.add_parser(
+        "eval-draft", parents=[shared, data],
+        help="expected acceptance of a draft (1 - TV per position on the target's continuations), predicted "
+             "tokens per pass and speed-up; --measure also runs speculative generation",
+    )
+    evaluate_draft.add_argument("--cost-ratio", type=float, default=None,
+                                help="draft step / target step, for the predicted speed-up (default: measured)")
+    evaluate_draft.add_argument("--measure", action="store_true", help="also run speculative generation with -k")
+
+    distill = commands.add_parser(
+        "distill", parents=[shared, data],
+        help="fine-tune the draft toward the target (transformers' Trainer) on the target's continuations of the "
+             "dataset's texts (or on the texts themselves with --plain-text); saves with save_pretrained",
+    )
+    distill.add_argument("--output-dir", required=True, help="where the trained draft is saved")
+    distill.add_argument("--plain-text", action="store_true", help="train on the texts, not on continuations")
+    distill.add_argument("--loss", default="tv", choices=["tv", "kl"], help="(default: %(default)s)")
+    distill.add_argument("--max-steps", type=_positive_int, default=100)
+    distill.add_argument("--learning-rate", type=float, default=1e-5)
+    distill.add_argument("--batch-size", type=_positive_int, default=1)
+    distill.add_argument("--max-length", type=_positive_int, default=256, help="tokens per plain-text sequence")
+    distill.add_argument("--train-last-layers", type=_positive_int, default=None)
+    distill.add_argument("--lora-rank", type=_positive_int, default=None, help="LoRA adapters through peft")
     return parser.parse_args(argv)
 
 
@@ -144,7 +184,11 @@ def _load_models(args: argparse.Namespace):
         return speculative(target), draft, None
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load(args.target, dtype=dtype)
-    draft, _ = load(args.draft, dtype=dtype)
+    draft, draft_tokenizer = load(args.draft, dtype=dtype)
+    try:
+        check_same_vocabulary(tokenizer, draft_tokenizer)
+    except ValueError as error:
+        raise SystemExit(f"--draft {args.draft} does not fit --target {args.target}: {error}") from None
     return speculative(target), draft, tokenizer
 
 
@@ -225,9 +269,92 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    return {"do_sample": args.do_sample,
+            **{name: getattr(args, name) for name in ("temperature", "top_p") if getattr(args, name) is not None}}
+
+
+def _prompts(args: argparse.Namespace, tokenizer) -> list[torch.Tensor]:
+    """``[1, S]`` token ids of the selected texts (random ids for the tiny pair)."""
+    if tokenizer is None:
+        workloads = random_workloads(("tiny",), args.num_texts, TINY_VOCAB_SIZE, seed=args.seed + args.offset)
+        return [inputs["input_ids"] for inputs in workloads["tiny"]]
+    try:
+        texts = load_texts(args.dataset, _column(args), args.offset, args.num_texts)
+    except ValueError as error:
+        raise SystemExit(f"--dataset: {error}") from None
+    return [tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def _column(args: argparse.Namespace) -> str:
+    return args.column or ("text" if args.dataset.endswith(".txt") else "prompt")
+
+
+def _write_report(report: dict, path: str | None) -> None:
+    text = json.dumps(report, indent=2, default=str)
+    if path is None:
+        print(text)
+        return
+    with open(path, "w") as out:
+        out.write(text)
+    print(f"wrote {path}")
+
+
+def _eval_draft(args: argparse.Namespace) -> int:
+    target, draft, tokenizer = _load_models(args)
+    prompts = _prompts(args, tokenizer)
+    settings = _sampling(args)
+    continuations = target_continuations(target, prompts, args.max_new_tokens, settings, seed=args.seed)
+    cost_ratio = args.cost_ratio
+    costs = None
+    if cost_ratio is None:
+        costs = forward_costs(target, draft, prompts[0], {args.num_assistant_tokens})
+        cost_ratio = costs.cost_ratio
+    report = {"predicted": dataclasses.asdict(evaluate_draft(
+        target, draft, prompts, continuations, settings, cost_ratio=cost_ratio,
+    )), "cost_ratio": cost_ratio, "texts": {"dataset": args.dataset, "offset": args.offset, "count": len(prompts)}}
+    if costs is not None:
+        report["block_cost"] = costs.block_cost(args.num_assistant_tokens)
+    if args.measure:
+        report["measured"] = measure_draft(target, draft, prompts, args.num_assistant_tokens, args.max_new_tokens,
+                                           settings, seed=args.seed)
+    _write_report(report, args.output)
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from hf_spec.distill import continuation_dataset, distill, text_dataset
+
+    target, draft, tokenizer = _load_models(args)
+    if args.plain_text:
+        if tokenizer is None:
+            raise SystemExit("--plain-text needs models with a tokenizer (not the tiny pair).")
+        try:
+            texts = load_texts(args.dataset, _column(args), args.offset, args.num_texts)
+        except ValueError as error:
+            raise SystemExit(f"--dataset: {error}") from None
+        dataset = text_dataset(tokenizer, texts, args.max_length)
+    else:
+        dataset = continuation_dataset(target, _prompts(args, tokenizer), args.max_new_tokens, _sampling(args),
+                                       cache_dir=Path(args.output_dir) / "data", seed=args.seed)
+    pad = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
+    _, history = distill(
+        target, draft, dataset, args.output_dir, loss=args.loss, temperature=args.temperature or 1.0,
+        train_last_layers=args.train_last_layers, lora_rank=args.lora_rank, pad_token_id=pad,
+        max_steps=args.max_steps, learning_rate=args.learning_rate, per_device_train_batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    if tokenizer is not None:
+        tokenizer.save_pretrained(args.output_dir)
+    _write_report({"output_dir": args.output_dir, "train_sequences": len(dataset), "log_history": history},
+                  args.output)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    return {"generate": _generate, "bench": _bench}[args.command](args)
+    commands = {"generate": _generate, "bench": _bench, "eval-draft": _eval_draft, "distill": _distill}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,11 @@ def _validate_tokenizers(generation_mode_kwargs: dict[str, Any]) -> None:
         return
     if tokenizer is None:
         raise ValueError("`assistant_tokenizer` was given without `tokenizer`; pass both or neither.")
+    check_same_vocabulary(tokenizer, assistant_tokenizer)
+
+
+def check_same_vocabulary(tokenizer: Any, assistant_tokenizer: Any) -> None:
+    """Refuse a draft tokenizer whose vocabulary differs from the target's."""
     if tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
         raise ValueError(
             f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}, {len(assistant_tokenizer)} tokens) and "

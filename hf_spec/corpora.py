@@ -1,0 +1,52 @@
+"""Texts the command-line tools work on: HumanEval prompts, Python standard-library source, or your own file.
+
+Files load through `datasets` (``json``/``jsonl``, ``csv``, ``parquet``, or ``txt`` one text per line); a named
+column must exist, and an empty selection is an error.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+BUILT_IN = ("humaneval", "stdlib")
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def load_texts(source: str, column: str = "text", offset: int = 0, count: int | None = None) -> list[str]:
+    """``count`` texts from ``offset`` on.
+
+    Args:
+        source: ``"humaneval"`` (the problems' prompts), ``"stdlib"`` (the interpreter's standard-library ``.py``
+            files, sorted by path), or a file path.
+        column: for a file, the column holding the texts (``text`` for ``.txt`` files).
+    """
+    if offset < 0 or (count is not None and count < 1):
+        raise ValueError(f"`offset` must be >= 0 and `count` >= 1, but are {offset!r} and {count!r}.")
+    if source == "humaneval":
+        from hf_spec.pretrained import humaneval_prompts
+
+        texts = humaneval_prompts()
+    elif source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        texts = [path.read_text(errors="replace") for path in sorted(root.glob("*.py"))]
+    else:
+        texts = _texts_from_file(Path(source), column)
+    selected = texts[offset : None if count is None else offset + count]
+    if not selected:
+        raise ValueError(f"No texts selected from {source!r}: it has {len(texts)}, `offset` is {offset}.")
+    return selected
+
+
+def _texts_from_file(path: Path, column: str) -> list[str]:
+    import datasets
+
+    if not path.is_file():
+        raise ValueError(f"Dataset {str(path)!r} is neither a built-in name {BUILT_IN} nor a file.")
+    builder = _BUILDERS.get(path.suffix)
+    if builder is None:
+        raise ValueError(f"Dataset {str(path)!r}: unknown file type {path.suffix!r}; use one of {sorted(_BUILDERS)}.")
+    dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+    if column not in dataset.column_names:
+        raise ValueError(f"Dataset {str(path)!r} has no column {column!r}; its columns: {dataset.column_names}.")
+    return [text for text in dataset[column] if isinstance(text, str) and text.strip()]
