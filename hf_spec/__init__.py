@@ -5,11 +5,13 @@
     >>> model.generate(**inputs, assistant_model=draft, do_sample=True, temperature=0.7)
 """
 
+from hf_spec.draft_length import AutoDraftLength
 from hf_spec.mixin import SpeculativeDecoderOnlyOutput, SpeculativeGenerationMixin, speculative, without_speculation
 from hf_spec.rejection import accept_draft_tokens, accept_greedy, sample_from_weights
 from hf_spec.stats import SpeculativeStats
 
 __all__ = [
+    "AutoDraftLength",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeGenerationMixin",
     "SpeculativeStats",

@@ -110,7 +110,7 @@ class AutoDraftLength:
         slope = max(0.0, (t1 - t0) / (s1 - s0))
         return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
 
-    def choose(self, limit: int, is_model_draft: bool = True) -> int:
+    def choose(self, limit: int) -> int:
         """k for the next round, at most ``limit`` (tokens left before ``max_length``)."""
         limit = max(0, min(limit, self.max_draft_tokens))
         if self.block_seconds(1) is None:
@@ -118,7 +118,7 @@ class AutoDraftLength:
         elif self._rounds_without_draft >= self.explore_every:
             k = 1
         else:
-            draft_step = self._draft_step.get(0.0) if is_model_draft else 0.0
+            draft_step = self._draft_step.get(0.0)  # 0 until a draft model ran (prompt lookup costs nothing)
             blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
             k = best_draft_length(self.acceptance(), draft_step, blocks)
         k = min(k, limit)
