@@ -164,9 +164,12 @@ def target_continuations(target: PreTrainedModel, prompts: Sequence[torch.Tensor
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     continuations = []
+    devices = [target.device] if target.device.type == "cuda" else []
     for index, prompt in enumerate(prompts):
-        torch.manual_seed(seed + index)
-        new = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, **settings)[:, prompt.shape[1]:]
+        with torch.random.fork_rng(devices=devices):  # seeded, without touching the caller's random state
+            torch.manual_seed(seed + index)
+            new = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, **settings)
+        new = new[:, prompt.shape[1]:]
         ends = [i for i, token in enumerate(new[0].tolist()) if token in eos_ids]
         continuations.append(new[:, : ends[0] + 1] if ends else new)
     return continuations

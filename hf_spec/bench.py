@@ -201,10 +201,11 @@ def run_benchmark(
         order = methods[index % len(methods):] + methods[:index % len(methods)]  # rotate who goes first
         new_ids = {}
         for method in order:
-            torch.manual_seed(seed + index)
-            run, new_ids[method] = run_one(method, specs[method], target, draft, inputs,
-                                           {**generate_kwargs, **settings[setting]}, eos_ids, workload=workload,
-                                           setting=setting, prompt=prompt, repeat=repeat)
+            with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+                torch.manual_seed(seed + index)  # the same seed for every method; the caller's state is untouched
+                run, new_ids[method] = run_one(method, specs[method], target, draft, inputs,
+                                               {**generate_kwargs, **settings[setting]}, eos_ids, workload=workload,
+                                               setting=setting, prompt=prompt, repeat=repeat)
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")
