@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.drafters import align_vocab
@@ -109,6 +110,7 @@ def evaluate_draft(
     cost_ratio: float | None = None,
     block_cost: float = 1.0,
     logits_processor: LogitsProcessorList | None = None,
+    progress: bool = True,
 ) -> AcceptanceReport:
     """Expected acceptance of ``draft`` for ``target`` on ``continuations`` of ``prompts`` (teacher forcing).
 
@@ -129,7 +131,8 @@ def evaluate_draft(
         raise ValueError("`prompts` is empty: nothing to evaluate.")
     vocab_size = target.config.get_text_config().vocab_size
     per_sequence = []
-    for index, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+    pairs = tqdm(list(zip(prompts, continuations)), desc="acceptance", unit="text", disable=not progress)
+    for index, (prompt, continuation) in enumerate(pairs):
         if prompt.dim() != 2 or prompt.shape[0] != 1 or continuation.dim() != 2 or continuation.shape[1] == 0:
             raise ValueError(f"Pair {index}: expected a prompt [1, S] and a non-empty continuation [1, m], got "
                              f"{tuple(prompt.shape)} and {tuple(continuation.shape)}.")
@@ -158,14 +161,14 @@ def evaluate_draft(
 
 @torch.no_grad()
 def target_continuations(target: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                         settings: dict | None = None, seed: int = 0) -> list[torch.Tensor]:
+                         settings: dict | None = None, seed: int = 0, progress: bool = True) -> list[torch.Tensor]:
     """``[1, m_i]`` per prompt: what target-only ``generate`` continues it with (up to EOS, included)."""
     settings = {"do_sample": False, **(settings or {})}
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     continuations = []
     devices = [target.device] if target.device.type == "cuda" else []
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(tqdm(prompts, desc="target continuations", unit="text", disable=not progress)):
         with torch.random.fork_rng(devices=devices):  # seeded, without touching the caller's random state
             torch.manual_seed(seed + index)
             new = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, **settings)
@@ -176,13 +179,13 @@ def target_continuations(target: PreTrainedModel, prompts: Sequence[torch.Tensor
 
 
 def measure_draft(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequence[torch.Tensor], k: int,
-                  max_new_tokens: int, settings: dict | None = None, seed: int = 0) -> dict:
+                  max_new_tokens: int, settings: dict | None = None, seed: int = 0, progress: bool = True) -> dict:
     """Run speculative generation on each prompt and report what happened (`hf_spec.stats` totals)."""
     settings = {"do_sample": False, **(settings or {})}
     target = speculative(target)
     totals = {"num_rounds": 0, "num_draft_tokens": 0, "num_accepted": 0, "num_emitted": 0,
               "accepted_at_position_0": 0, "rounds_with_a_draft": 0}
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(tqdm(prompts, desc="speculative runs", unit="text", disable=not progress)):
         output = target.generate(
             prompt.to(target.device), assistant_model=draft, num_assistant_tokens=k, max_new_tokens=max_new_tokens,
             generator=torch.Generator(target.device).manual_seed(seed + index), return_dict_in_generate=True,
