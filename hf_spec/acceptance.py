@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.drafters import align_vocab
+from hf_spec.measure import count_new_tokens, eos_token_ids
 from hf_spec.mixin import speculative
 from logits_processors import process_block
 
@@ -164,8 +165,7 @@ def target_continuations(target: PreTrainedModel, prompts: Sequence[torch.Tensor
                          settings: dict | None = None, seed: int = 0, progress: bool = True) -> list[torch.Tensor]:
     """``[1, m_i]`` per prompt: what target-only ``generate`` continues it with (up to EOS, included)."""
     settings = {"do_sample": False, **(settings or {})}
-    eos = target.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos_ids = eos_token_ids(target)
     continuations = []
     devices = [target.device] if target.device.type == "cuda" else []
     for index, prompt in enumerate(tqdm(prompts, desc="target continuations", unit="text", disable=not progress)):
@@ -173,8 +173,7 @@ def target_continuations(target: PreTrainedModel, prompts: Sequence[torch.Tensor
             torch.manual_seed(seed + index)
             new = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, **settings)
         new = new[:, prompt.shape[1]:]
-        ends = [i for i, token in enumerate(new[0].tolist()) if token in eos_ids]
-        continuations.append(new[:, : ends[0] + 1] if ends else new)
+        continuations.append(new[:, : count_new_tokens(new[0], eos_ids)])
     return continuations
 
 

@@ -34,7 +34,15 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_spec.bench_report import Run, summarize
-from hf_spec.measure import ForwardCounter, PeakMemory, forward_costs, machine_info, weight_bytes
+from hf_spec.measure import (
+    ForwardCounter,
+    PeakMemory,
+    count_new_tokens,
+    eos_token_ids,
+    forward_costs,
+    machine_info,
+    weight_bytes,
+)
 from hf_spec.mixin import speculative, without_speculation
 
 METHODS = (
@@ -127,12 +135,6 @@ def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs
         return target.generate(**kwargs)[0], None
 
 
-def count_new_tokens(sequence: torch.Tensor, prompt_length: int, eos_ids: set[int]) -> int:
-    """Tokens generated up to and including the first EOS."""
-    new = sequence[prompt_length:].tolist()
-    return next((i + 1 for i, token in enumerate(new) if token in eos_ids), len(new))
-
-
 def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, **where):
     """``(Run, new ids [new])`` of one timed call."""
     prompt_length = inputs["input_ids"].shape[1]
@@ -140,7 +142,7 @@ def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwarg
         started = time.perf_counter()
         sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs)
         seconds = time.perf_counter() - started
-    new_tokens = count_new_tokens(sequence, prompt_length, eos_ids)
+    new_tokens = count_new_tokens(sequence[prompt_length:], eos_ids)
     if stats is not None:
         proposed, accepted = stats.num_draft_tokens, stats.num_accepted
     elif spec.uses_draft:  # transformers: every target pass emits its accepted tokens plus one
@@ -163,7 +165,7 @@ def run_benchmark(
     max_new_tokens: int = 128,
     repeats: int = 1,
     seed: int = 0,
-    eos_token_ids: set[int] | None = None,
+    eos_ids: set[int] | None = None,
     progress: bool = True,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
@@ -172,9 +174,12 @@ def run_benchmark(
         workloads: name -> batch-1 model inputs (``input_ids`` [1, S], ``attention_mask``) of each prompt.
         settings: name -> sampling kwargs of ``generate()`` (default: `SETTINGS`).
         methods: names from `METHODS` or ``hf_spec_k<N>``; must include ``target_only``.
-        eos_token_ids: ids that end a generation (default: the target's ``generation_config.eos_token_id``).
+        eos_ids: ids that end a generation (default: the target's ``generation_config.eos_token_id``).
     """
     settings = SETTINGS if settings is None else settings
+    for name, value in (("k", k), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
     if not methods or "target_only" not in methods:
         raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
     specs = {method: method_spec(method, k) for method in methods}
@@ -182,7 +187,7 @@ def run_benchmark(
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
     target = speculative(target)
-    eos_ids = _eos_ids(target) if eos_token_ids is None else set(eos_token_ids)
+    eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
     pad = target.generation_config.pad_token_id
     pad = min(eos_ids) if pad is None and eos_ids else pad
     generate_kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad}
@@ -231,11 +236,6 @@ def run_benchmark(
         "results": summarize(runs, list(methods), costs, {m: s.fixed_k for m, s in specs.items()}, weights),
         "runs": [dataclasses.asdict(run) for run in runs],
     }
-
-
-def _eos_ids(model: PreTrainedModel) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
 def text_workloads(tokenizer, names: tuple[str, ...], num_prompts: int) -> dict[str, list[dict[str, torch.Tensor]]]:

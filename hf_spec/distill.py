@@ -89,6 +89,9 @@ def text_dataset(tokenizer, texts: Sequence[str], max_length: int = 256):
     """Plain text as training sequences (chunks of ``max_length`` tokens); every position is trained."""
     import datasets
 
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"`max_length` must be an integer >= 2, but is {max_length!r}.")
+
     rows = {"input_ids": [], "attention_mask": [], "loss_mask": []}
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -120,6 +120,18 @@ class PeakMemory:
             self.peak_bytes = max(self._peak, _resident_bytes() or 0) - self._base
 
 
+def eos_token_ids(model: PreTrainedModel) -> set[int]:
+    """The ids that end ``model``'s generations (its ``generation_config.eos_token_id``)."""
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+
+
+def count_new_tokens(new_ids: torch.Tensor, eos_ids: set[int]) -> int:
+    """Tokens of ``new_ids`` ``[m]`` up to and including the first EOS (all of them without one)."""
+    new = new_ids.tolist()
+    return next((i + 1 for i, token in enumerate(new) if token in eos_ids), len(new))
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 

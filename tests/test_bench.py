@@ -110,6 +110,8 @@ def test_bench_rejects_bad_input():
         run_benchmark(target, draft, workloads, methods=("hf_spec",), progress=False)
     with pytest.raises(ValueError, match="Unknown method 'vllm'"):
         run_benchmark(target, draft, workloads, methods=("target_only", "vllm"), progress=False)
+    with pytest.raises(ValueError, match="`k` must be a positive integer, but is 0"):
+        run_benchmark(target, draft, workloads, k=0, progress=False)
     with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
         run_benchmark(target, draft, {"code": []}, progress=False)
     with pytest.raises(ValueError, match="prose workload has 8 prompts; `num_prompts` is 9"):

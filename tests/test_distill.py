@@ -19,6 +19,7 @@ from hf_spec.distill import (
     distill,
     distillation_loss,
     select_trainable,
+    text_dataset,
 )
 
 
@@ -115,6 +116,8 @@ def test_bad_inputs_are_named(pair, tmp_path):
         select_trainable(draft, 5)
     with pytest.raises(ValueError, match="`prompts` is empty"):
         continuation_dataset(target, [], 4)
+    with pytest.raises(ValueError, match="`max_length` must be an integer >= 2, but is 0"):
+        text_dataset(None, ["x"], max_length=0)
 
 
 def test_cli_eval_draft_and_distill_on_the_tiny_pair(tmp_path):
