@@ -303,5 +303,9 @@ def test_negative_control_a_block_function_blind_to_drafted_tokens_is_caught(mon
     monkeypatch.setitem(
         logits_processors.registry._BLOCK_FUNCTIONS, RepetitionPenaltyLogitsProcessor, _penalty_ignoring_the_block
     )
+    # A fixed case that must be caught: drafted token 3 is penalized at the positions after it.
+    chain = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(2.0)])
+    sequence_ids = torch.tensor([[1, 2, 3, 3]])  # prefix [1, 2], drafted [3, 3]
+    logits = torch.arange(1.0, 1.0 + 3 * 5).view(1, 3, 5)
     with pytest.raises(AssertionError):
-        test_each_fast_path_equals_per_position_application()
+        assert_block_matches_reference(chain, sequence_ids, 2, logits)
