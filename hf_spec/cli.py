@@ -171,8 +171,9 @@ def _prompt_ids(text: str) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-def _load_models(args: argparse.Namespace):
-    """``(speculative target, draft, tokenizer or None)``; the tiny pair has no tokenizer."""
+def _load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None):
+    """``(speculative target, draft, tokenizer or None)``; the tiny pair has no tokenizer. The draft is loaded in
+    ``draft_dtype`` when given (training keeps float32 weights), else in ``--dtype`` like the target."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.target == TINY or args.draft == TINY:
@@ -184,7 +185,7 @@ def _load_models(args: argparse.Namespace):
         return speculative(target), draft, None
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load(args.target, dtype=dtype)
-    draft, draft_tokenizer = load(args.draft, dtype=dtype)
+    draft, draft_tokenizer = load(args.draft, dtype=draft_dtype or dtype)
     try:
         check_same_vocabulary(tokenizer, draft_tokenizer)
     except ValueError as error:
@@ -325,7 +326,8 @@ def _eval_draft(args: argparse.Namespace) -> int:
 def _distill(args: argparse.Namespace) -> int:
     from hf_spec.distill import continuation_dataset, distill, text_dataset
 
-    target, draft, tokenizer = _load_models(args)
+    # the draft trains in float32 (bf16 weights would round small updates away); --dtype sets the teacher's
+    target, draft, tokenizer = _load_models(args, draft_dtype=torch.float32)
     if args.plain_text:
         if tokenizer is None:
             raise SystemExit("--plain-text needs models with a tokenizer (not the tiny pair).")
