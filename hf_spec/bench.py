@@ -19,6 +19,10 @@ to add type hints to a given HumanEval solution: the answer copies much of the i
 start from the same seed for every method. Target and draft forward passes are counted with forward pre-hooks;
 acceptance for transformers is derived from those counts (accepted = tokens - target passes, proposed = draft passes),
 for hf_spec it is its own statistics. The report: `hf_spec.bench_report`.
+
+Target variants: other targets (a quantized copy, say) passed as ``variants={"nf4": model}``; a method named
+``<method>@<label>`` runs on that target with the same draft, interleaved with the rest. Its speed-up is reported
+against the first target's ``target_only`` and against its own ``target_only@<label>``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from hf_spec.measure import (
     weight_bytes,
 )
 from hf_spec.mixin import speculative, without_speculation
+from hf_spec.quantization import quantization_of
 
 METHODS = (
     "target_only", "transformers", "transformers_default", "transformers_heuristic", "transformers_lookup",
@@ -80,6 +85,12 @@ class MethodSpec:
     generate_kwargs: dict  # besides assistant_model
     assistant_settings: dict | None = None  # transformers reads these from the draft's generation_config
     fixed_k: int | None = None  # drafts exactly k tokens a round with a draft model: the formula applies
+
+
+def split_method(method: str) -> tuple[str, str | None]:
+    """``"hf_spec@nf4"`` -> ``("hf_spec", "nf4")``: the method and the label of the target variant it runs on."""
+    name, _, label = method.partition("@")
+    return name, label or None
 
 
 def method_spec(method: str, k: int) -> MethodSpec:
@@ -167,6 +178,7 @@ def run_benchmark(
     seed: int = 0,
     eos_ids: set[int] | None = None,
     progress: bool = True,
+    variants: dict[str, PreTrainedModel] | None = None,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
 
@@ -175,6 +187,7 @@ def run_benchmark(
         settings: name -> sampling kwargs of ``generate()`` (default: `SETTINGS`).
         methods: names from `METHODS` or ``hf_spec_k<N>``; must include ``target_only``.
         eos_ids: ids that end a generation (default: the target's ``generation_config.eos_token_id``).
+        variants: label -> another target (same tokenizer), run by the methods named ``<method>@<label>``.
     """
     settings = SETTINGS if settings is None else settings
     for name, value in (("k", k), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
@@ -182,21 +195,29 @@ def run_benchmark(
             raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
     if not methods or "target_only" not in methods:
         raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
-    specs = {method: method_spec(method, k) for method in methods}
+    targets = {None: speculative(target), **{label: speculative(model) for label, model in (variants or {}).items()}}
+    specs, target_of = {}, {}
+    for method in methods:
+        name, target_of[method] = split_method(method)
+        if target_of[method] not in targets:
+            raise ValueError(f"Method {method!r} runs on target variant {target_of[method]!r}, but `variants` has "
+                             f"{sorted(label for label in targets if label)}.")
+        specs[method] = method_spec(name, k)
     for name, prompts in workloads.items():
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
-    target = speculative(target)
+    target = targets[None]
     eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
     pad = target.generation_config.pad_token_id
     pad = min(eos_ids) if pad is None and eos_ids else pad
     generate_kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad}
 
     first = next(iter(workloads.values()))[0]
-    for spec in specs.values():  # warm-up
-        generate_once(spec, target, draft, first, {**generate_kwargs, "max_new_tokens": 4})
+    for method, spec in specs.items():  # warm-up
+        generate_once(spec, targets[target_of[method]], draft, first, {**generate_kwargs, "max_new_tokens": 4})
     fixed_ks = {spec.fixed_k for spec in specs.values() if spec.fixed_k is not None} or {k}
-    costs = {name: forward_costs(target, draft, prompts[0]["input_ids"], fixed_ks) for name, prompts in workloads.items()}
+    costs = {name + _suffix(label): forward_costs(targets[label], draft, prompts[0]["input_ids"], fixed_ks)
+             for label in dict.fromkeys(target_of.values()) for name, prompts in workloads.items()}
 
     jobs = [(w, s, p, r) for w in workloads for s in settings for p in range(len(workloads[w])) for r in range(repeats)]
     runs: list[Run] = []
@@ -208,24 +229,29 @@ def run_benchmark(
         for method in order:
             with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
                 torch.manual_seed(seed + index)  # the same seed for every method; the caller's state is untouched
-                run, new_ids[method] = run_one(method, specs[method], target, draft, inputs,
+                run, new_ids[method] = run_one(method, specs[method], targets[target_of[method]], draft, inputs,
                                                {**generate_kwargs, **settings[setting]}, eos_ids, workload=workload,
                                                setting=setting, prompt=prompt, repeat=repeat)
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")
         if not settings[setting].get("do_sample"):
-            for run in runs[-len(methods):]:
-                run.identical_to_target_only = bool(torch.equal(new_ids[run.method], new_ids["target_only"]))
+            for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
+                reference = new_ids.get("target_only" + _suffix(target_of[run.method]), new_ids["target_only"])
+                run.identical_to_target_only = bool(torch.equal(new_ids[run.method], reference))
     bar.close()
 
-    weights = {"target": weight_bytes(target), "draft": weight_bytes(draft)}
+    weights = {"target" + _suffix(label): weight_bytes(model) for label, model in targets.items()}
+    weights["draft"] = weight_bytes(draft)
     return {
         "machine": machine_info(),
         "config": {
             "k": k, "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "methods": list(methods),
             "settings": settings, "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
             "dtype": str(target.dtype).removeprefix("torch."),
+            "quantization": quantization_of(target),
+            "variants": {label: quantization_of(model) or str(model.dtype).removeprefix("torch.")
+                         for label, model in (variants or {}).items()},
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in specs.items()},
         },
         "weights_bytes": weights,
@@ -260,6 +286,10 @@ def text_workloads(tokenizer, names: tuple[str, ...], num_prompts: int) -> dict[
             raise ValueError(f"Unknown workload {name!r}; choose from {WORKLOADS}.")
         workloads[name] = [dict(tokenizer(text, return_tensors="pt", add_special_tokens=False)) for text in texts]
     return workloads
+
+
+def _suffix(label: str | None) -> str:
+    return "" if label is None else f"@{label}"
 
 
 def random_workloads(names: tuple[str, ...], num_prompts: int, vocab_size: int, seed: int = 0) -> dict:

@@ -51,6 +51,8 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
     Args:
         methods: in the order to report them.
         method_k: per method, the fixed k it drafts with a draft model (the formula applies), else ``None``.
+        costs, weights: keyed by workload (``"target"``) for the first target, ``<workload>@<label>``
+            (``"target@<label>"``) for a target variant (methods named ``<method>@<label>``).
     """
     workloads = list(dict.fromkeys(run.workload for run in runs))
     if len(workloads) > 1:
@@ -61,6 +63,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         groups.setdefault((run.workload, run.setting, run.method), []).append(run)
     rows = []
     for (workload, setting, method), group in groups.items():
+        variant = _variant_suffix(method)
         seconds = sum(run.seconds for run in group)
         tokens = sum(run.new_tokens for run in group)
         latencies = [run.seconds for run in group]
@@ -74,7 +77,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
             "tokens_per_target_pass": tokens / max(1, sum(run.target_passes for run in group)),
             "latency_p50_s": float(np.percentile(latencies, 50)),
             "latency_p90_s": float(np.percentile(latencies, 90)),
-            "weights_bytes": weights["target"] + (weights["draft"] if any(run.draft_passes for run in group) else 0),
+            "weights_bytes": weights["target" + variant] + (weights["draft"] if any(run.draft_passes for run in group) else 0),
             "working_memory_bytes": max(memory) if memory else None,
             "identical_to_target_only": sum(identical) / len(identical) if identical else None,
         })
@@ -87,13 +90,23 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline
         transformers_row = by_key.get((*key, "transformers"))
         row["speedup_vs_transformers"] = row["tokens_per_s"] / transformers_row["tokens_per_s"] if transformers_row else None
-        row.update(_prediction(row, costs.get(row["workload"]), method_k[row["method"]]))
+        variant = _variant_suffix(row["method"])
+        own = by_key.get((*key, "target_only" + variant))
+        row["speedup_vs_own_target_only"] = row["tokens_per_s"] / own["tokens_per_s"] if own else None
+        row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]], own))
     return rows
 
 
-def _prediction(row: dict, costs: ForwardCosts | None, k: int | None) -> dict:
-    """The formula's speed-up for a method drafting exactly k tokens per pass, and the share of it measured."""
-    if k is None or costs is None:
+def _variant_suffix(method: str) -> str:
+    """``"@nf4"`` for ``"hf_spec@nf4"`` (a method on a target variant), ``""`` for a method on the first target."""
+    _, at, label = method.partition("@")
+    return at + label
+
+
+def _prediction(row: dict, costs: ForwardCosts | None, k: int | None, own_target_only: dict | None) -> dict:
+    """The formula's speed-up for a method drafting exactly k tokens per pass over target-only decoding with the
+    same target (``own_target_only``), and the share of it measured."""
+    if k is None or costs is None or own_target_only is None:
         return dict.fromkeys(("alpha", "predicted_speedup", "predicted_speedup_block_cost", "share_of_predicted",
                               "share_of_predicted_block_cost"))
     alpha = acceptance_from_tokens_per_pass(row["tokens_per_target_pass"], k)
@@ -101,26 +114,30 @@ def _prediction(row: dict, costs: ForwardCosts | None, k: int | None) -> dict:
     predicted_block = predicted_speedup(alpha, k, costs.cost_ratio, costs.block_cost(k))
     return {
         "alpha": alpha, "predicted_speedup": predicted, "predicted_speedup_block_cost": predicted_block,
-        "share_of_predicted": row["speedup_vs_target_only"] / predicted,
-        "share_of_predicted_block_cost": row["speedup_vs_target_only"] / predicted_block,
+        "share_of_predicted": row["speedup_vs_own_target_only"] / predicted,
+        "share_of_predicted_block_cost": row["speedup_vs_own_target_only"] / predicted_block,
     }
 
 
 def format_table(report: dict) -> str:
     """The results as a Markdown table."""
-    def number(value, spec):
-        return "-" if value is None else format(value, spec)
+    def number(value, spec, unit=""):
+        return "-" if value is None else format(value, spec) + unit
 
     header = (
         "| workload | setting | method | tok/s | vs target-only | vs transformers | acceptance | tokens/pass "
         "| predicted (b=1) | predicted (measured b) | share of predicted (measured b) | p50 s | p90 s | peak MB "
         "| identical to target-only |"
     )
-    lines = [header, "|" + "---|" * 15]
+    has_variants = any("@" in row["method"] for row in report["results"])
+    if has_variants:
+        header = header.replace("| vs transformers |", "| vs own target-only | vs transformers |")
+    lines = [header, "|" + "---|" * (16 if has_variants else 15)]
     for row in report["results"]:
+        own = f"| {number(row['speedup_vs_own_target_only'], '.2f', 'x')} " if has_variants else ""
         lines.append(
             f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_s']:.2f} "
-            f"| {row['speedup_vs_target_only']:.2f}x | {number(row['speedup_vs_transformers'], '.2f')}x "
+            f"| {row['speedup_vs_target_only']:.2f}x {own}| {number(row['speedup_vs_transformers'], '.2f', 'x')} "
             f"| {number(row['acceptance_rate'], '.2f')} | {row['tokens_per_target_pass']:.2f} "
             f"| {number(row['predicted_speedup'], '.2f')} | {number(row['predicted_speedup_block_cost'], '.2f')} "
             f"| {number(row['share_of_predicted_block_cost'], '.0%')} | {row['latency_p50_s']:.1f} "

@@ -30,6 +30,7 @@ from hf_spec.measure import forward_costs
 from hf_spec.mixin import speculative
 from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
 from hf_spec.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
+from hf_spec.quantization import SCHEMES, first_device, quantized_copy
 from hf_spec.validation import DEFAULT_NUM_DRAFT_TOKENS, check_same_vocabulary
 
 TINY = "tiny"  # the built-in random-weight pair: token ids in and out, no tokenizer
@@ -79,6 +80,10 @@ def _model_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model weights (default: %(default)s; bf16 pays off on CPUs with AMX)")
+    parser.add_argument("--quantize", default=None, choices=SCHEMES,
+                        help="load the target's linear layers quantized by bitsandbytes (8bit, or 4-bit nf4/fp4; "
+                             "the rest in --dtype), spread over the devices with device_map='auto'")
+    parser.add_argument("--quantize-draft", default=None, choices=SCHEMES, help="as --quantize, for the draft")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tiny pair and sampling")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="torch CPU threads (default: torch's choice)")
@@ -118,6 +123,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     bench.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
                        help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N); target_only is always "
                             "run, every ratio is relative to it (default: %(default)s)")
+    bench.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
+                       help="also run every method on the target quantized with each scheme (reported as "
+                            "<method>@<scheme>, same draft, interleaved with the rest)")
     bench.add_argument("--prompts", type=_positive_int, default=3, help="prompts per workload (default: %(default)s)")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="calls per prompt and method")
     bench.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")
@@ -182,15 +190,35 @@ def _load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = Non
                              f"--draft {args.draft!r}")
         target, draft = build_tiny_pair(seed=args.seed)
         print("built-in tiny pair: random-weight Llama target and a perturbed copy as draft (no meaningful text)")
-        return speculative(target), draft, None
+        if args.quantize:
+            target = quantized_copy(target, args.quantize)
+        if args.quantize_draft:
+            draft = quantized_copy(draft, args.quantize_draft)
+        return speculative(target), _on_first_device(draft, target, args.quantize_draft), None
     dtype = getattr(torch, args.dtype)
-    target, tokenizer = load(args.target, dtype=dtype)
-    draft, draft_tokenizer = load(args.draft, dtype=draft_dtype or dtype)
+    target, tokenizer = load(args.target, dtype=dtype, quantize=args.quantize)
+    draft, draft_tokenizer = load(args.draft, dtype=draft_dtype or dtype, quantize=args.quantize_draft)
+    draft = _on_first_device(draft, target, args.quantize_draft)
     try:
         check_same_vocabulary(tokenizer, draft_tokenizer)
     except ValueError as error:
         raise SystemExit(f"--draft {args.draft} does not fit --target {args.target}: {error}") from None
     return speculative(target), draft, tokenizer
+
+
+def _on_first_device(draft, target, draft_quantization: str | None):
+    """The draft on the target's first device (a quantized draft was placed by its own ``device_map``)."""
+    return draft if draft_quantization is not None else draft.to(first_device(target))
+
+
+def _target_variants(args: argparse.Namespace) -> dict:
+    """``--variants``: the target again, quantized with each scheme."""
+    if args.quantize in args.variants:
+        raise SystemExit(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
+                         f"{args.quantize}.")
+    if args.target == TINY:
+        return {scheme: quantized_copy(build_tiny_pair(seed=args.seed)[0], scheme) for scheme in args.variants}
+    return {scheme: load(args.target, dtype=getattr(torch, args.dtype), quantize=scheme)[0] for scheme in args.variants}
 
 
 def _models_and_inputs(args: argparse.Namespace):
@@ -256,12 +284,15 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"--prompts: {error}") from None
     methods = tuple(dict.fromkeys(["target_only", *args.methods]))
+    variants = _target_variants(args)
+    methods = (*methods, *(f"{method}@{label}" for label in variants for method in methods))
     report = run_benchmark(
         target, draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
-        methods=methods, k=args.num_assistant_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        methods=methods, variants=variants, k=args.num_assistant_tokens, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
         seed=args.seed, progress=not args.no_progress,
     )
-    report["config"].update(target=args.target, draft=args.draft)
+    report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft)
     with open(args.json, "w") as out:
         json.dump(report, out, indent=2)
     plot(report, args.plot)
@@ -326,6 +357,9 @@ def _eval_draft(args: argparse.Namespace) -> int:
 def _distill(args: argparse.Namespace) -> int:
     from hf_spec.distill import continuation_dataset, distill, text_dataset
 
+    if args.quantize_draft:
+        raise SystemExit(f"--quantize-draft {args.quantize_draft}: distill trains the draft in float32; quantize the "
+                         "trained draft when you load it.")
     # the draft trains in float32 (bf16 weights would round small updates away); --dtype sets the teacher's
     target, draft, tokenizer = _load_models(args, draft_dtype=torch.float32)
     if args.plain_text:

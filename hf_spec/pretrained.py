@@ -79,10 +79,20 @@ def resolve(name_or_path: str, cache: Path | None = None) -> str:
     return name_or_path
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | None = None, **kwargs):
-    """``(model, tokenizer)`` for a built-in name, a local folder or a Hub id, through ``from_pretrained``."""
+def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | None = None,
+         quantize: str | None = None, **kwargs):
+    """``(model, tokenizer)`` for a built-in name, a local folder or a Hub id, through ``from_pretrained``.
+
+    ``quantize``: ``"8bit"``, ``"nf4"`` or ``"fp4"`` loads the weights quantized by bitsandbytes
+    (`hf_spec.quantization`), the rest in ``dtype``, with ``device_map="auto"`` unless ``kwargs`` name another.
+    Other ``kwargs`` go to ``from_pretrained``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if quantize is not None:
+        from hf_spec.quantization import quantization_config
+
+        kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, dtype)}
     location = resolve(name_or_path, cache)
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(location)

@@ -20,7 +20,7 @@ from hf_spec.speedup import acceptance_from_tokens_per_pass, expected_tokens, pr
 TINY = ["--target", "tiny", "--draft", "tiny"]
 RESULT_FIELDS = {
     "workload", "setting", "method", "calls", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_target_only",
-    "speedup_vs_transformers", "acceptance_rate", "tokens_per_target_pass", "alpha", "predicted_speedup",
+    "speedup_vs_own_target_only", "speedup_vs_transformers", "acceptance_rate", "tokens_per_target_pass", "alpha", "predicted_speedup",
     "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_s",
     "latency_p90_s", "weights_bytes", "working_memory_bytes", "peak_memory_bytes", "identical_to_target_only",
 }
@@ -112,6 +112,8 @@ def test_bench_rejects_bad_input():
         run_benchmark(target, draft, workloads, methods=("target_only", "vllm"), progress=False)
     with pytest.raises(ValueError, match="`k` must be a positive integer, but is 0"):
         run_benchmark(target, draft, workloads, k=0, progress=False)
+    with pytest.raises(ValueError, match=r"runs on target variant 'nf4', but `variants` has \[\]"):
+        run_benchmark(target, draft, workloads, methods=("target_only", "hf_spec@nf4"), progress=False)
     with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
         run_benchmark(target, draft, {"code": []}, progress=False)
     with pytest.raises(ValueError, match="prose workload has 8 prompts; `num_prompts` is 9"):
