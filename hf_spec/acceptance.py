@@ -69,6 +69,7 @@ class AcceptanceReport:
     acceptance_rate: float  # mean over positions of 1 - TV(p, q) (greedy: of argmax agreement)
     num_positions: int
     acceptance_by_sequence: list[float]
+    acceptance_by_position: list[list[float]]  # per sequence, per continuation position: 1 - TV (greedy: 0 or 1)
     expected_tokens_per_pass: dict[int, float]  # k -> E[tokens per target pass]
     predicted_speedup: dict[int, float] | None  # k -> E[tokens] / (k c + b), when a cost ratio is given
     settings: dict
@@ -152,6 +153,7 @@ def evaluate_draft(
         acceptance_rate=float(positions.mean()),
         num_positions=positions.shape[0],
         acceptance_by_sequence=[float(a.mean()) for a in per_sequence],
+        acceptance_by_position=[a.tolist() for a in per_sequence],
         expected_tokens_per_pass=expected,
         predicted_speedup=None if cost_ratio is None else {
             k: expected[k] / (k * cost_ratio + block_cost) for k in ks
@@ -184,6 +186,7 @@ def measure_draft(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequ
     target = speculative(target)
     totals = {"num_rounds": 0, "num_draft_tokens": 0, "num_accepted": 0, "num_emitted": 0,
               "accepted_at_position_0": 0, "rounds_with_a_draft": 0}
+    accepted_by_position, proposed_by_position = [0] * k, [0] * k  # by position in the drafted block
     for index, prompt in enumerate(tqdm(prompts, desc="speculative runs", unit="text", disable=not progress)):
         output = target.generate(
             prompt.to(target.device), assistant_model=draft, num_assistant_tokens=k, max_new_tokens=max_new_tokens,
@@ -196,10 +199,16 @@ def measure_draft(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequ
         if stats.proposed_by_position:
             totals["accepted_at_position_0"] += stats.accepted_by_position[0]
             totals["rounds_with_a_draft"] += stats.proposed_by_position[0]
+        for j, (accepted, proposed) in enumerate(zip(stats.accepted_by_position, stats.proposed_by_position)):
+            accepted_by_position[j] += accepted
+            proposed_by_position[j] += proposed
     return {
         **totals, "k": k, "settings": settings,
         "acceptance_rate": totals["num_accepted"] / max(1, totals["num_draft_tokens"]),
         "acceptance_at_position_0": totals["accepted_at_position_0"] / max(1, totals["rounds_with_a_draft"]),
+        # the share of rounds drafting a token at block position j in which it was accepted (and all before it)
+        "acceptance_by_block_position": [a / p if p else None for a, p in zip(accepted_by_position,
+                                                                            proposed_by_position)],
         "tokens_per_target_pass": totals["num_emitted"] / max(1, totals["num_rounds"]),
     }
 

@@ -108,7 +108,8 @@ def text_dataset(tokenizer, texts: Sequence[str], max_length: int = 256):
 
 
 def continuation_dataset(target: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                         settings: dict | None = None, cache_dir: str | Path | None = None, seed: int = 0):
+                         settings: dict | None = None, cache_dir: str | Path | None = None, seed: int = 0,
+                         progress: bool = True):
     """Each prompt followed by the target's own continuation, generated once (cached under ``cache_dir``, keyed by
     the target, the prompts and the settings); the positions predicting the continuation are trained."""
     import datasets
@@ -124,7 +125,7 @@ def continuation_dataset(target: PreTrainedModel, prompts: Sequence[torch.Tensor
     path = None if cache_dir is None else Path(cache_dir) / f"continuations-{key}"
     if path is not None and path.exists():
         return datasets.load_from_disk(str(path))
-    continuations = target_continuations(target, prompts, max_new_tokens, settings, seed)
+    continuations = target_continuations(target, prompts, max_new_tokens, settings, seed, progress)
     rows = {"input_ids": [], "attention_mask": [], "loss_mask": []}
     for prompt, continuation in zip(prompts, continuations):
         ids = prompt[0].tolist() + continuation[0].tolist()

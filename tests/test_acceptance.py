@@ -138,3 +138,19 @@ def test_bad_inputs_are_named(pair, tmp_path):
     with pytest.raises(ValueError, match="neither a built-in name"):
         load_texts(str(tmp_path / "missing.jsonl"))
     assert load_texts(str(data), "body") == ["def f(): pass"]
+
+
+def test_acceptance_is_reported_by_position_too(pair):
+    target, draft = pair
+    inputs = prompts(3, seed=4)
+    settings = {"do_sample": True, "temperature": 1.0}
+    continuations = target_continuations(target, inputs, 10, settings)
+    report = evaluate_draft(target, draft, inputs, continuations, settings, ks=[3])
+    assert [len(values) for values in report.acceptance_by_position] == [c.shape[1] for c in continuations]
+    flat = [value for values in report.acceptance_by_position for value in values]
+    assert all(0.0 <= value <= 1.0 + 1e-6 for value in flat)
+    assert sum(flat) / len(flat) == pytest.approx(report.acceptance_rate, rel=1e-5)
+    measured = measure_draft(target, draft, inputs, k=3, max_new_tokens=10, settings=settings)
+    by_block_position = measured["acceptance_by_block_position"]
+    assert len(by_block_position) == 3 and by_block_position[0] == pytest.approx(measured["acceptance_at_position_0"])
+    assert by_block_position == sorted(by_block_position, reverse=True), "reaching position j needs all before it"
