@@ -20,9 +20,10 @@ start from the same seed for every method. Target and draft forward passes are c
 acceptance for transformers is derived from those counts (accepted = tokens - target passes, proposed = draft passes),
 for hf_spec it is its own statistics. The report: `hf_spec.bench_report`.
 
-Target variants: other targets (a quantized copy, say) passed as ``variants={"nf4": model}``; a method named
-``<method>@<label>`` runs on that target with the same draft, interleaved with the rest. Its speed-up is reported
-against the first target's ``target_only`` and against its own ``target_only@<label>``.
+Variants: other targets (a quantized copy, say) passed as ``variants={"nf4": model}``, or other (target, draft) pairs
+(``variants={"distilled": (target, trained_draft)}``); a method named ``<method>@<label>`` runs on that variant,
+interleaved with the rest. Its speed-up is reported against the first target's ``target_only`` and against its own
+``target_only@<label>`` (``target_only`` when that did not run: a variant with the same target and another draft).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def run_benchmark(
     seed: int = 0,
     eos_ids: set[int] | None = None,
     progress: bool = True,
-    variants: dict[str, PreTrainedModel] | None = None,
+    variants: dict[str, PreTrainedModel | tuple[PreTrainedModel, PreTrainedModel]] | None = None,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
 
@@ -187,7 +188,8 @@ def run_benchmark(
         settings: name -> sampling kwargs of ``generate()`` (default: `SETTINGS`).
         methods: names from `METHODS` or ``hf_spec_k<N>``; must include ``target_only``.
         eos_ids: ids that end a generation (default: the target's ``generation_config.eos_token_id``).
-        variants: label -> another target (same tokenizer), run by the methods named ``<method>@<label>``.
+        variants: label -> another target (same tokenizer) or ``(target, draft)`` pair, run by the methods named
+            ``<method>@<label>``.
     """
     settings = SETTINGS if settings is None else settings
     for name, value in (("k", k), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
@@ -195,18 +197,21 @@ def run_benchmark(
             raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
     if not methods or "target_only" not in methods:
         raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
-    targets = {None: speculative(target), **{label: speculative(model) for label, model in (variants or {}).items()}}
-    specs, target_of = {}, {}
+    pairs = {None: (speculative(target), draft)}
+    for label, variant in (variants or {}).items():
+        variant_target, variant_draft = variant if isinstance(variant, tuple) else (variant, draft)
+        pairs[label] = (speculative(variant_target), variant_draft)
+    specs, pair_of = {}, {}
     for method in methods:
-        name, target_of[method] = split_method(method)
-        if target_of[method] not in targets:
-            raise ValueError(f"Method {method!r} runs on target variant {target_of[method]!r}, but `variants` has "
-                             f"{sorted(label for label in targets if label)}.")
+        name, pair_of[method] = split_method(method)
+        if pair_of[method] not in pairs:
+            raise ValueError(f"Method {method!r} runs on variant {pair_of[method]!r}, but `variants` has "
+                             f"{sorted(label for label in pairs if label)}.")
         specs[method] = method_spec(name, k)
     for name, prompts in workloads.items():
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
-    target = targets[None]
+    target = pairs[None][0]
     eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
     pad = target.generation_config.pad_token_id
     pad = min(eos_ids) if pad is None and eos_ids else pad
@@ -214,10 +219,10 @@ def run_benchmark(
 
     first = next(iter(workloads.values()))[0]
     for method, spec in specs.items():  # warm-up
-        generate_once(spec, targets[target_of[method]], draft, first, {**generate_kwargs, "max_new_tokens": 4})
+        generate_once(spec, *pairs[pair_of[method]], first, {**generate_kwargs, "max_new_tokens": 4})
     fixed_ks = {spec.fixed_k for spec in specs.values() if spec.fixed_k is not None} or {k}
-    costs = {name + _suffix(label): forward_costs(targets[label], draft, prompts[0]["input_ids"], fixed_ks)
-             for label in dict.fromkeys(target_of.values()) for name, prompts in workloads.items()}
+    costs = {name + _suffix(label): forward_costs(*pairs[label], prompts[0]["input_ids"], fixed_ks)
+             for label in dict.fromkeys(pair_of.values()) for name, prompts in workloads.items()}
 
     jobs = [(w, s, p, r) for w in workloads for s in settings for p in range(len(workloads[w])) for r in range(repeats)]
     runs: list[Run] = []
@@ -229,7 +234,7 @@ def run_benchmark(
         for method in order:
             with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
                 torch.manual_seed(seed + index)  # the same seed for every method; the caller's state is untouched
-                run, new_ids[method] = run_one(method, specs[method], targets[target_of[method]], draft, inputs,
+                run, new_ids[method] = run_one(method, specs[method], *pairs[pair_of[method]], inputs,
                                                {**generate_kwargs, **settings[setting]}, eos_ids, workload=workload,
                                                setting=setting, prompt=prompt, repeat=repeat)
             runs.append(run)
@@ -237,12 +242,14 @@ def run_benchmark(
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")
         if not settings[setting].get("do_sample"):
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
-                reference = new_ids.get("target_only" + _suffix(target_of[run.method]), new_ids["target_only"])
+                reference = new_ids.get("target_only" + _suffix(pair_of[run.method]), new_ids["target_only"])
                 run.identical_to_target_only = bool(torch.equal(new_ids[run.method], reference))
     bar.close()
 
-    weights = {"target" + _suffix(label): weight_bytes(model) for label, model in targets.items()}
-    weights["draft"] = weight_bytes(draft)
+    weights = {}
+    for label, (variant_target, variant_draft) in pairs.items():
+        weights["target" + _suffix(label)] = weight_bytes(variant_target)
+        weights["draft" + _suffix(label)] = weight_bytes(variant_draft)
     return {
         "machine": machine_info(),
         "config": {
@@ -250,8 +257,8 @@ def run_benchmark(
             "settings": settings, "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
             "dtype": str(target.dtype).removeprefix("torch."),
             "quantization": quantization_of(target),
-            "variants": {label: quantization_of(model) or str(model.dtype).removeprefix("torch.")
-                         for label, model in (variants or {}).items()},
+            "variants": {label: {"target": _describe(pairs[label][0], pairs[None][0]),
+                                 "draft": _describe(pairs[label][1], pairs[None][1])} for label in variants or {}},
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in specs.items()},
         },
         "weights_bytes": weights,
@@ -286,6 +293,13 @@ def text_workloads(tokenizer, names: tuple[str, ...], num_prompts: int) -> dict[
             raise ValueError(f"Unknown workload {name!r}; choose from {WORKLOADS}.")
         workloads[name] = [dict(tokenizer(text, return_tensors="pt", add_special_tokens=False)) for text in texts]
     return workloads
+
+
+def _describe(model: PreTrainedModel, base: PreTrainedModel) -> str:
+    """How a variant's model differs from the first pair's: ``"same"``, its quantization, or its name and dtype."""
+    if model is base:
+        return "same"
+    return quantization_of(model) or f"{model.name_or_path} ({str(model.dtype).removeprefix('torch.')})"
 
 
 def _suffix(label: str | None) -> str:

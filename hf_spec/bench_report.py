@@ -51,8 +51,9 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
     Args:
         methods: in the order to report them.
         method_k: per method, the fixed k it drafts with a draft model (the formula applies), else ``None``.
-        costs, weights: keyed by workload (``"target"``) for the first target, ``<workload>@<label>``
-            (``"target@<label>"``) for a target variant (methods named ``<method>@<label>``).
+        costs, weights: keyed by workload (``"target"``, ``"draft"``) for the first pair, ``<workload>@<label>``
+            (``"target@<label>"``, ``"draft@<label>"``) for a variant (methods named ``<method>@<label>``), whose
+            own target-only baseline is ``target_only@<label>``, or ``target_only`` where that did not run.
     """
     workloads = list(dict.fromkeys(run.workload for run in runs))
     if len(workloads) > 1:
@@ -77,7 +78,8 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
             "tokens_per_target_pass": tokens / max(1, sum(run.target_passes for run in group)),
             "latency_p50_s": float(np.percentile(latencies, 50)),
             "latency_p90_s": float(np.percentile(latencies, 90)),
-            "weights_bytes": weights["target" + variant] + (weights["draft"] if any(run.draft_passes for run in group) else 0),
+            "weights_bytes": weights["target" + variant] + (
+                weights["draft" + variant] if any(run.draft_passes for run in group) else 0),
             "working_memory_bytes": max(memory) if memory else None,
             "identical_to_target_only": sum(identical) / len(identical) if identical else None,
         })
@@ -91,9 +93,9 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         transformers_row = by_key.get((*key, "transformers"))
         row["speedup_vs_transformers"] = row["tokens_per_s"] / transformers_row["tokens_per_s"] if transformers_row else None
         variant = _variant_suffix(row["method"])
-        own = by_key.get((*key, "target_only" + variant))
-        row["speedup_vs_own_target_only"] = row["tokens_per_s"] / own["tokens_per_s"] if own else None
-        row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]], own))
+        own = by_key.get((*key, "target_only" + variant)) or by_key[(*key, "target_only")]
+        row["speedup_vs_own_target_only"] = row["tokens_per_s"] / own["tokens_per_s"]
+        row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
     return rows
 
 
@@ -103,10 +105,10 @@ def _variant_suffix(method: str) -> str:
     return at + label
 
 
-def _prediction(row: dict, costs: ForwardCosts | None, k: int | None, own_target_only: dict | None) -> dict:
+def _prediction(row: dict, costs: ForwardCosts | None, k: int | None) -> dict:
     """The formula's speed-up for a method drafting exactly k tokens per pass over target-only decoding with the
     same target (``own_target_only``), and the share of it measured."""
-    if k is None or costs is None or own_target_only is None:
+    if k is None or costs is None:
         return dict.fromkeys(("alpha", "predicted_speedup", "predicted_speedup_block_cost", "share_of_predicted",
                               "share_of_predicted_block_cost"))
     alpha = acceptance_from_tokens_per_pass(row["tokens_per_target_pass"], k)

@@ -126,6 +126,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     bench.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
                        help="also run every method on the target quantized with each scheme (reported as "
                             "<method>@<scheme>, same draft, interleaved with the rest)")
+    bench.add_argument("--draft-variants", nargs="+", default=[], metavar="DRAFT",
+                       help="also run every method that uses a draft with each of these drafts (built-in name or "
+                            "folder, e.g. a distilled draft; reported as <method>@<folder name>)")
     bench.add_argument("--prompts", type=_positive_int, default=3, help="prompts per workload (default: %(default)s)")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="calls per prompt and method")
     bench.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")
@@ -211,14 +214,29 @@ def _on_first_device(draft, target, draft_quantization: str | None):
     return draft if draft_quantization is not None else draft.to(first_device(target))
 
 
-def _target_variants(args: argparse.Namespace) -> dict:
-    """``--variants``: the target again, quantized with each scheme."""
+def _variants(args: argparse.Namespace, target, tokenizer) -> dict:
+    """``--variants``: the target again, quantized with each scheme; ``--draft-variants``: (target, other draft)."""
     if args.quantize in args.variants:
         raise SystemExit(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
     if args.target == TINY:
-        return {scheme: quantized_copy(build_tiny_pair(seed=args.seed)[0], scheme) for scheme in args.variants}
-    return {scheme: load(args.target, dtype=getattr(torch, args.dtype), quantize=scheme)[0] for scheme in args.variants}
+        variants = {scheme: quantized_copy(build_tiny_pair(seed=args.seed)[0], scheme) for scheme in args.variants}
+    else:
+        variants = {scheme: load(args.target, dtype=getattr(torch, args.dtype), quantize=scheme)[0]
+                    for scheme in args.variants}
+    for name in args.draft_variants:
+        label = Path(name).name
+        if label in variants:
+            raise SystemExit(f"--draft-variants {name}: the label {label!r} is taken; rename the folder.")
+        if args.target == TINY:
+            raise SystemExit(f"--draft-variants {name}: the tiny pair has no tokenizer to check a draft against.")
+        draft, draft_tokenizer = load(name, dtype=getattr(torch, args.dtype), quantize=args.quantize_draft)
+        try:
+            check_same_vocabulary(tokenizer, draft_tokenizer)
+        except ValueError as error:
+            raise SystemExit(f"--draft-variants {name} does not fit --target {args.target}: {error}") from None
+        variants[label] = (target, _on_first_device(draft, target, args.quantize_draft))
+    return variants
 
 
 def _models_and_inputs(args: argparse.Namespace):
@@ -284,8 +302,9 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"--prompts: {error}") from None
     methods = tuple(dict.fromkeys(["target_only", *args.methods]))
-    variants = _target_variants(args)
-    methods = (*methods, *(f"{method}@{label}" for label in variants for method in methods))
+    variants = _variants(args, target, tokenizer)
+    methods = (*methods, *(f"{method}@{label}" for label, variant in variants.items() for method in methods
+                           if not isinstance(variant, tuple) or method_spec(method, 1).uses_draft))
     report = run_benchmark(
         target, draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
         methods=methods, variants=variants, k=args.num_assistant_tokens, max_new_tokens=args.max_new_tokens,

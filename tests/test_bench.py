@@ -112,7 +112,7 @@ def test_bench_rejects_bad_input():
         run_benchmark(target, draft, workloads, methods=("target_only", "vllm"), progress=False)
     with pytest.raises(ValueError, match="`k` must be a positive integer, but is 0"):
         run_benchmark(target, draft, workloads, k=0, progress=False)
-    with pytest.raises(ValueError, match=r"runs on target variant 'nf4', but `variants` has \[\]"):
+    with pytest.raises(ValueError, match=r"runs on variant 'nf4', but `variants` has \[\]"):
         run_benchmark(target, draft, workloads, methods=("target_only", "hf_spec@nf4"), progress=False)
     with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
         run_benchmark(target, draft, {"code": []}, progress=False)
@@ -144,3 +144,26 @@ def test_bench_cli_names_an_unknown_method(capsys):
     with pytest.raises(SystemExit):
         main(["bench", *TINY, "--methods", "vllm"])
     assert "Unknown method 'vllm'" in capsys.readouterr().err
+
+
+def test_bench_compares_drafts_for_the_same_target():
+    """A variant (target, other draft): its methods run on the same target with that draft; its own target-only
+    baseline is the first target's (no duplicate target-only run)."""
+    target, draft = build_tiny_pair(seed=0)
+    _, other_draft = build_tiny_pair(seed=0, draft_noise=0.3)
+    workloads = random_workloads(("code",), 2, TINY_VOCAB_SIZE)
+    report = run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},
+                           methods=("target_only", "hf_spec", "hf_spec@noisier"), max_new_tokens=10,
+                           variants={"noisier": (target, other_draft)}, progress=False)
+    assert report["config"]["variants"] == {"noisier": {"target": "same", "draft": f"{other_draft.name_or_path} "
+                                                                                     "(float32)"}}
+    rows = {row["method"]: row for row in report["results"]}
+    assert rows["hf_spec@noisier"]["identical_to_target_only"] == 1.0
+    assert rows["hf_spec@noisier"]["speedup_vs_own_target_only"] == rows["hf_spec@noisier"]["speedup_vs_target_only"]
+    assert rows["hf_spec@noisier"]["acceptance_rate"] < rows["hf_spec"]["acceptance_rate"]
+    assert set(report["costs"]) == {"code", "code@noisier"}
+
+
+def test_bench_cli_refuses_draft_variants_without_a_tokenizer(tmp_path):
+    with pytest.raises(SystemExit, match="--draft-variants some/folder: the tiny pair has no tokenizer"):
+        main(["bench", *TINY, "--draft-variants", "some/folder", "--json", str(tmp_path / "b.json")])

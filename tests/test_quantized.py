@@ -174,7 +174,9 @@ def test_bench_runs_every_method_on_the_quantized_variants_too(tmp_path, capsys)
     report = json.loads(report_path.read_text())
     methods = ["target_only", "hf_spec", "target_only@nf4", "hf_spec@nf4", "target_only@8bit", "hf_spec@8bit"]
     assert report["config"]["methods"] == methods
-    assert report["config"]["variants"] == {"nf4": "nf4", "8bit": "8bit"} and report["config"]["quantization"] is None
+    assert report["config"]["variants"] == {"nf4": {"target": "nf4", "draft": "same"},
+                                            "8bit": {"target": "8bit", "draft": "same"}}
+    assert report["config"]["quantization"] is None
     assert report["weights_bytes"]["target@nf4"] < report["weights_bytes"]["target"]
     assert set(report["costs"]) == {"code", "code@nf4", "code@8bit"}
     rows = {row["method"]: row for row in report["results"] if row["setting"] == "greedy"}
@@ -187,7 +189,7 @@ def test_bench_runs_every_method_on_the_quantized_variants_too(tmp_path, capsys)
         assert rows[method]["speedup_vs_target_only"] == pytest.approx(
             rows[method]["tokens_per_s"] / rows["target_only"]["tokens_per_s"])
     assert rows["hf_spec@nf4"]["predicted_speedup"] is not None
-    assert rows["hf_spec@nf4"]["weights_bytes"] == report["weights_bytes"]["target@nf4"] + report["weights_bytes"]["draft"]
+    assert rows["hf_spec@nf4"]["weights_bytes"] == report["weights_bytes"]["target@nf4"] + report["weights_bytes"]["draft@nf4"]
 
 
 def test_cli_distill_refuses_a_quantized_draft(tmp_path):
