@@ -308,8 +308,7 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_benchmark(
         target, draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
         methods=methods, variants=variants, k=args.num_assistant_tokens, max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        seed=args.seed, progress=not args.no_progress,
+        repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
     )
     report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft)
     with open(args.json, "w") as out:

@@ -40,14 +40,17 @@ def first_device(model: PreTrainedModel) -> torch.device:
 
 
 def quantization_of(model: PreTrainedModel) -> str | None:
-    """The scheme ``model`` was loaded with (one of `SCHEMES`), or ``None`` for an unquantized model."""
-    config = getattr(model, "quantization_config", None) or getattr(model.config, "quantization_config", None)
+    """How ``model``'s weights are quantized: one of `SCHEMES` for bitsandbytes, another library's ``quant_method``
+    (``"gptq"``, ...), or ``None`` for an unquantized model."""
+    config = getattr(model.config, "quantization_config", None)
     if config is None:
         return None
-    config = config if isinstance(config, BitsAndBytesConfig) else BitsAndBytesConfig.from_dict(dict(config))
-    if config.load_in_8bit:
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if config.get("load_in_8bit"):
         return "8bit"
-    return config.bnb_4bit_quant_type if config.load_in_4bit else None
+    if config.get("load_in_4bit"):
+        return config.get("bnb_4bit_quant_type", "fp4")
+    return str(config.get("quant_method", "quantized"))
 
 
 def quantized_copy(model: PreTrainedModel, scheme: str, compute_dtype: torch.dtype = torch.float32,
