@@ -271,23 +271,31 @@ def run_benchmark(
     }
 
 
-def text_workloads(tokenizer, names: tuple[str, ...], num_prompts: int) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """``code``: the first HumanEval prompts, to complete as plain text; ``prose``: `PROSE_PROMPTS`; ``edit``: add type
-    hints to the first HumanEval solutions. Requests are chat messages (plain text without a chat template)."""
+def text_workloads(tokenizer, names: tuple[str, ...], num_prompts: int,
+                   offset: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """``code``: HumanEval prompts, to complete as plain text; ``prose``: `PROSE_PROMPTS`; ``edit``: add type hints to
+    HumanEval solutions. ``num_prompts`` of each from ``offset`` on (hold out what a draft was trained on). Requests
+    are chat messages (plain text without a chat template)."""
     from hf_spec.pretrained import humaneval_problems
 
-    if num_prompts > len(PROSE_PROMPTS) and "prose" in names:
-        raise ValueError(f"The prose workload has {len(PROSE_PROMPTS)} prompts; `num_prompts` is {num_prompts}.")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"`offset` must be an integer >= 0, but is {offset!r}.")
+    for name in names:
+        available = {"prose": len(PROSE_PROMPTS)}.get(name) or (len(humaneval_problems()) if name in WORKLOADS else 0)
+        if name in WORKLOADS and offset + num_prompts > available:
+            raise ValueError(f"The {name} workload has {available} prompts; `offset` + `num_prompts` is "
+                             f"{offset + num_prompts}.")
+    selected = slice(offset, offset + num_prompts)
     workloads = {}
     for name in names:
         if name == "code":
-            texts = [problem["prompt"] for problem in humaneval_problems()[:num_prompts]]
+            texts = [problem["prompt"] for problem in humaneval_problems()[selected]]
         elif name == "prose":
-            texts = [_as_chat(tokenizer, text) for text in PROSE_PROMPTS[:num_prompts]]
+            texts = [_as_chat(tokenizer, text) for text in PROSE_PROMPTS[selected]]
         elif name == "edit":
             texts = [
                 _as_chat(tokenizer, f"{EDIT_REQUEST}```python\n{problem['prompt']}{problem['canonical_solution']}```")
-                for problem in humaneval_problems()[:num_prompts]
+                for problem in humaneval_problems()[selected]
             ]
         else:
             raise ValueError(f"Unknown workload {name!r}; choose from {WORKLOADS}.")

@@ -130,6 +130,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="also run every method that uses a draft with each of these drafts (built-in name or "
                             "folder, e.g. a distilled draft; reported as <method>@<folder name>)")
     bench.add_argument("--prompts", type=_positive_int, default=3, help="prompts per workload (default: %(default)s)")
+    bench.add_argument("--offset", type=int, default=0,
+                       help="skip this many prompts of each workload (hold out what a draft was trained on)")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="calls per prompt and method")
     bench.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")
     bench.add_argument("--plot", default="bench.png", help="plot file (default: %(default)s)")
@@ -298,7 +300,7 @@ def _bench(args: argparse.Namespace) -> int:
         if tokenizer is None:
             inputs = random_workloads(workloads, args.prompts, TINY_VOCAB_SIZE, seed=args.seed)
         else:
-            inputs = text_workloads(tokenizer, workloads, args.prompts)
+            inputs = text_workloads(tokenizer, workloads, args.prompts, args.offset)
     except ValueError as error:
         raise SystemExit(f"--prompts: {error}") from None
     methods = tuple(dict.fromkeys(["target_only", *args.methods]))

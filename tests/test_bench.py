@@ -116,8 +116,12 @@ def test_bench_rejects_bad_input():
         run_benchmark(target, draft, workloads, methods=("target_only", "hf_spec@nf4"), progress=False)
     with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
         run_benchmark(target, draft, {"code": []}, progress=False)
-    with pytest.raises(ValueError, match="prose workload has 8 prompts; `num_prompts` is 9"):
+    with pytest.raises(ValueError, match=r"prose workload has 8 prompts; `offset` \+ `num_prompts` is 9"):
         text_workloads(None, ("prose",), 9)
+    with pytest.raises(ValueError, match=r"code workload has 164 prompts; `offset` \+ `num_prompts` is 166"):
+        text_workloads(None, ("code",), 2, offset=164)
+    with pytest.raises(ValueError, match="`offset` must be an integer >= 0, but is -1"):
+        text_workloads(None, ("code",), 2, offset=-1)
     with pytest.raises(ValueError, match="Unknown workload 'poetry'"):
         text_workloads(None, ("poetry",), 1)
 
@@ -167,3 +171,16 @@ def test_bench_compares_drafts_for_the_same_target():
 def test_bench_cli_refuses_draft_variants_without_a_tokenizer(tmp_path):
     with pytest.raises(SystemExit, match="--draft-variants some/folder: the tiny pair has no tokenizer"):
         main(["bench", *TINY, "--draft-variants", "some/folder", "--json", str(tmp_path / "b.json")])
+
+
+def test_text_workloads_hold_out_the_first_prompts_by_offset():
+    from hf_spec.pretrained import humaneval_problems
+
+    seen = []
+
+    def tokenizer(text, **kwargs):
+        seen.append(text)
+        return {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
+
+    workloads = text_workloads(tokenizer, ("code",), 2, offset=5)
+    assert seen == [problem["prompt"] for problem in humaneval_problems()[5:7]] and len(workloads["code"]) == 2
