@@ -139,7 +139,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--dataset", default="humaneval",
-                      help="humaneval, stdlib, or a .json/.jsonl/.csv/.parquet/.txt file (default: %(default)s)")
+                      help="humaneval (prompts), humaneval-solutions (prompt + canonical solution), stdlib, or a "
+                           ".json/.jsonl/.csv/.parquet/.txt file (default: %(default)s)")
     data.add_argument("--column", default=None, help="the file's column of texts (default: text for .txt, else prompt)")
     data.add_argument("--offset", type=int, default=0, help="skip this many texts (hold out what you trained on)")
     data.add_argument("--num-texts", type=_positive_int, default=16, help="texts to use (default: %(default)s)")

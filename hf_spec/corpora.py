@@ -1,4 +1,5 @@
-"""Texts the command-line tools work on: HumanEval prompts, Python standard-library source, or your own file.
+"""Texts the command-line tools work on: HumanEval prompts (or whole problems, prompt and canonical solution), Python
+standard-library source, or your own file.
 
 Files load through `datasets` (``json``/``jsonl``, ``csv``, ``parquet``, or ``txt`` one text per line); a named
 column must exist, and an empty selection is an error.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-BUILT_IN = ("humaneval", "stdlib")
+BUILT_IN = ("humaneval", "humaneval-solutions", "stdlib")
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -17,7 +18,8 @@ def load_texts(source: str, column: str = "text", offset: int = 0, count: int | 
     """``count`` texts from ``offset`` on.
 
     Args:
-        source: ``"humaneval"`` (the problems' prompts), ``"stdlib"`` (the interpreter's standard-library ``.py``
+        source: ``"humaneval"`` (the problems' prompts), ``"humaneval-solutions"`` (each prompt followed by its
+            canonical solution: code text for training, with the same numbering as the prompts), ``"stdlib"`` (the interpreter's standard-library ``.py``
             files, sorted by path), or a file path.
         column: for a file, the column holding the texts (``text`` for ``.txt`` files).
     """
@@ -27,6 +29,10 @@ def load_texts(source: str, column: str = "text", offset: int = 0, count: int | 
         from hf_spec.pretrained import humaneval_prompts
 
         texts = humaneval_prompts()
+    elif source == "humaneval-solutions":
+        from hf_spec.pretrained import humaneval_problems
+
+        texts = [problem["prompt"] + problem["canonical_solution"] for problem in humaneval_problems()]
     elif source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         texts = [path.read_text(errors="replace") for path in sorted(root.glob("*.py"))]

@@ -154,3 +154,12 @@ def test_acceptance_is_reported_by_position_too(pair):
     by_block_position = measured["acceptance_by_block_position"]
     assert len(by_block_position) == 3 and by_block_position[0] == pytest.approx(measured["acceptance_at_position_0"])
     assert by_block_position == sorted(by_block_position, reverse=True), "reaching position j needs all before it"
+
+
+def test_humaneval_solutions_are_each_prompt_and_its_canonical_solution():
+    from hf_spec.pretrained import humaneval_problems
+
+    problems = humaneval_problems()
+    texts = load_texts("humaneval-solutions", offset=0, count=100)
+    assert texts == [problem["prompt"] + problem["canonical_solution"] for problem in problems[:100]]
+    assert load_texts("humaneval", count=3) == [problem["prompt"] for problem in problems[:3]]
