@@ -17,6 +17,8 @@ with only a CPU, all of it goes there); its logits come back on its first device
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
@@ -57,8 +59,6 @@ def quantized_copy(model: PreTrainedModel, scheme: str, compute_dtype: torch.dty
                    **from_pretrained_kwargs) -> PreTrainedModel:
     """A copy of an in-memory ``model`` with its linear layers quantized by ``scheme``: saved to a temporary folder
     and loaded back through ``from_pretrained`` (``device_map="auto"`` unless given), as a checkpoint would be."""
-    import tempfile
-
     quantization = quantization_config(scheme, compute_dtype)  # checks `scheme` before any work
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
