@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from hf_spec.bench_report import Run, summarize
+from hf_spec.bench_report import Run, summarize, variant_suffix
 from hf_spec.measure import (
     ForwardCounter,
     PeakMemory,
@@ -86,12 +86,6 @@ class MethodSpec:
     generate_kwargs: dict  # besides assistant_model
     assistant_settings: dict | None = None  # transformers reads these from the draft's generation_config
     fixed_k: int | None = None  # drafts exactly k tokens a round with a draft model: the formula applies
-
-
-def split_method(method: str) -> tuple[str, str | None]:
-    """``"hf_spec@nf4"`` -> ``("hf_spec", "nf4")``: the method and the label of the target variant it runs on."""
-    name, _, label = method.partition("@")
-    return name, label or None
 
 
 def method_spec(method: str, k: int) -> MethodSpec:
@@ -197,21 +191,21 @@ def run_benchmark(
             raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
     if not methods or "target_only" not in methods:
         raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
-    pairs = {None: (speculative(target), draft)}
+    pairs = {"": (speculative(target), draft)}  # by variant suffix: "" for the first pair, "@<label>" for a variant
     for label, variant in (variants or {}).items():
         variant_target, variant_draft = variant if isinstance(variant, tuple) else (variant, draft)
-        pairs[label] = (speculative(variant_target), variant_draft)
+        pairs[f"@{label}"] = (speculative(variant_target), variant_draft)
     specs, pair_of = {}, {}
     for method in methods:
-        name, pair_of[method] = split_method(method)
+        pair_of[method] = variant_suffix(method)
         if pair_of[method] not in pairs:
-            raise ValueError(f"Method {method!r} runs on variant {pair_of[method]!r}, but `variants` has "
-                             f"{sorted(label for label in pairs if label)}.")
-        specs[method] = method_spec(name, k)
+            raise ValueError(f"Method {method!r} runs on variant {pair_of[method][1:]!r}, but `variants` has "
+                             f"{sorted(variants or {})}.")
+        specs[method] = method_spec(method.partition("@")[0], k)
     for name, prompts in workloads.items():
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
-    target = pairs[None][0]
+    target = pairs[""][0]
     eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
     pad = target.generation_config.pad_token_id
     pad = min(eos_ids) if pad is None and eos_ids else pad
@@ -221,8 +215,8 @@ def run_benchmark(
     for method, spec in specs.items():  # warm-up
         generate_once(spec, *pairs[pair_of[method]], first, {**generate_kwargs, "max_new_tokens": 4})
     fixed_ks = {spec.fixed_k for spec in specs.values() if spec.fixed_k is not None} or {k}
-    costs = {name + _suffix(label): forward_costs(*pairs[label], prompts[0]["input_ids"], fixed_ks)
-             for label in dict.fromkeys(pair_of.values()) for name, prompts in workloads.items()}
+    costs = {name + suffix: forward_costs(*pairs[suffix], prompts[0]["input_ids"], fixed_ks)
+             for suffix in dict.fromkeys(pair_of.values()) for name, prompts in workloads.items()}
 
     jobs = [(w, s, p, r) for w in workloads for s in settings for p in range(len(workloads[w])) for r in range(repeats)]
     runs: list[Run] = []
@@ -242,14 +236,14 @@ def run_benchmark(
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")
         if not settings[setting].get("do_sample"):
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
-                reference = new_ids.get("target_only" + _suffix(pair_of[run.method]), new_ids["target_only"])
+                reference = new_ids.get("target_only" + pair_of[run.method], new_ids["target_only"])
                 run.identical_to_target_only = bool(torch.equal(new_ids[run.method], reference))
     bar.close()
 
     weights = {}
-    for label, (variant_target, variant_draft) in pairs.items():
-        weights["target" + _suffix(label)] = weight_bytes(variant_target)
-        weights["draft" + _suffix(label)] = weight_bytes(variant_draft)
+    for suffix, (variant_target, variant_draft) in pairs.items():
+        weights["target" + suffix] = weight_bytes(variant_target)
+        weights["draft" + suffix] = weight_bytes(variant_draft)
     return {
         "machine": machine_info(),
         "config": {
@@ -257,8 +251,8 @@ def run_benchmark(
             "settings": settings, "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
             "dtype": str(target.dtype).removeprefix("torch."),
             "quantization": quantization_of(target),
-            "variants": {label: {"target": _describe(pairs[label][0], pairs[None][0]),
-                                 "draft": _describe(pairs[label][1], pairs[None][1])} for label in variants or {}},
+            "variants": {label: {"target": _describe(pairs[f"@{label}"][0], target),
+                                 "draft": _describe(pairs[f"@{label}"][1], draft)} for label in variants or {}},
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in specs.items()},
         },
         "weights_bytes": weights,
@@ -308,10 +302,6 @@ def _describe(model: PreTrainedModel, base: PreTrainedModel) -> str:
     if model is base:
         return "same"
     return quantization_of(model) or f"{model.name_or_path} ({str(model.dtype).removeprefix('torch.')})"
-
-
-def _suffix(label: str | None) -> str:
-    return "" if label is None else f"@{label}"
 
 
 def random_workloads(names: tuple[str, ...], num_prompts: int, vocab_size: int, seed: int = 0) -> dict:

@@ -64,7 +64,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         groups.setdefault((run.workload, run.setting, run.method), []).append(run)
     rows = []
     for (workload, setting, method), group in groups.items():
-        variant = _variant_suffix(method)
+        variant = variant_suffix(method)
         seconds = sum(run.seconds for run in group)
         tokens = sum(run.new_tokens for run in group)
         latencies = [run.seconds for run in group]
@@ -92,15 +92,16 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline
         transformers_row = by_key.get((*key, "transformers"))
         row["speedup_vs_transformers"] = row["tokens_per_s"] / transformers_row["tokens_per_s"] if transformers_row else None
-        variant = _variant_suffix(row["method"])
+        variant = variant_suffix(row["method"])
         own = by_key.get((*key, "target_only" + variant)) or by_key[(*key, "target_only")]
         row["speedup_vs_own_target_only"] = row["tokens_per_s"] / own["tokens_per_s"]
         row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
     return rows
 
 
-def _variant_suffix(method: str) -> str:
-    """``"@nf4"`` for ``"hf_spec@nf4"`` (a method on a target variant), ``""`` for a method on the first target."""
+def variant_suffix(method: str) -> str:
+    """``"@nf4"`` for ``"hf_spec@nf4"`` (a method on the variant labelled nf4), ``""`` for a method on the first
+    pair. Report keys (costs, weights, baselines) of a variant carry the same suffix."""
     _, at, label = method.partition("@")
     return at + label
 

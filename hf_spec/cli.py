@@ -303,7 +303,7 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             inputs = text_workloads(tokenizer, workloads, args.prompts, args.offset)
     except ValueError as error:
-        raise SystemExit(f"--prompts: {error}") from None
+        raise SystemExit(f"--prompts/--offset: {error}") from None
     methods = tuple(dict.fromkeys(["target_only", *args.methods]))
     variants = _variants(args, target, tokenizer)
     methods = (*methods, *(f"{method}@{label}" for label, variant in variants.items() for method in methods
