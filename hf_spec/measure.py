@@ -136,8 +136,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def machine_info() -> dict:
-    """CPU model and the instruction-set flags that decide bf16 speed, threads, library versions."""
+def cpu_flags() -> tuple[str, set[str]]:
+    """``(model name, instruction-set flags)`` of this machine's CPU, from ``/proc/cpuinfo`` (empty elsewhere)."""
     flags, cpu = set(), platform.processor()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         for line in cpuinfo:
@@ -146,8 +146,25 @@ def machine_info() -> dict:
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
+    return cpu, flags
+
+
+def cpu_class(flags: set[str]) -> str:
+    """The class that decides CPU speed regimes here: ``"AMX"`` (``amx_bf16``), ``"AVX512-BF16"``, ``"AVX512"``,
+    ``"AVX2"`` or ``"other"``. With native bf16 (the first two) a multi-token bf16 block costs about one decode step;
+    without it, several."""
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "other"
+
+
+def machine_info() -> dict:
+    """CPU model, class and the instruction-set flags that decide bf16 speed, threads, library versions."""
+    cpu, flags = cpu_flags()
     return {
         "cpu": cpu,
+        "cpu_class": cpu_class(flags),
         "cpu_bf16_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),

@@ -89,11 +89,14 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    location = resolve(name_or_path, cache)
     if quantize is not None:
-        from hf_spec.quantization import quantization_config
+        from transformers import AutoConfig
+
+        from hf_spec.quantization import check_quantizable, quantization_config
 
         kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, dtype)}
-    location = resolve(name_or_path, cache)
+        check_quantizable(AutoConfig.from_pretrained(location), quantize, kwargs["device_map"])
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(location)
 

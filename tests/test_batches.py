@@ -195,7 +195,7 @@ def test_sliding_window_caches_follow_ragged_rows():
 
     torch.manual_seed(0)
     config = MistralConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=6, max_position_embeddings=256, pad_token_id=PAD,
     )
     target = MistralForCausalLM(config).eval()

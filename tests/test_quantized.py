@@ -1,5 +1,11 @@
 """Quantized targets (bitsandbytes 8-bit, nf4, fp4): exact with respect to the quantized model's own p.
 
+bitsandbytes runs 4-bit layers on a CPU by one of two paths (`hf_spec.quantization`): with AVX512-BF16 it repacks the
+weights for a fused bf16 kernel ("packed"), on AVX2-only CPUs it dequantizes them at every call ("dequantizing").
+The tiny models here have every dimension a multiple of 64, so both paths take them, and whichever path this CPU
+uses runs every test below (the pytest header says which). `test_4bit_shape_limit_*` exercise the packed path's
+shape check on every CPU.
+
 The laws are enumerated from the quantized target itself, so these tests check that nothing in the loop (block
 verification of 4-bit or int8 layers, cache roll-back, the draft's own precision) moves the output law away from
 target-only decoding with that quantized target. Greedy runs must equal its target-only output token for token.
@@ -19,7 +25,16 @@ from test_exactness import CASES, _resample_from_p, exact_law, sample_speculativ
 import hf_spec.decoding
 from hf_spec import speculative
 from hf_spec.cli import main
-from hf_spec.quantization import SCHEMES, first_device, quantization_config, quantization_of, quantized_copy
+import hf_spec.quantization
+from hf_spec.quantization import (
+    SCHEMES,
+    check_quantizable,
+    first_device,
+    packs_4bit_for_cpu,
+    quantization_config,
+    quantization_of,
+    quantized_copy,
+)
 
 pytest.importorskip("bitsandbytes")
 bnb = pytest.importorskip("bitsandbytes.nn")
@@ -196,3 +211,50 @@ def test_cli_distill_refuses_a_quantized_draft(tmp_path):
     with pytest.raises(SystemExit, match="--quantize-draft nf4"):
         main(["distill", "--target", "tiny", "--draft", "tiny", "--quantize-draft", "nf4",
               "--output-dir", str(tmp_path)])
+
+
+def _narrow_model():
+    """hidden_size 32: fits the dequantizing 4-bit path but not the packed one (in_features < 64)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "fp4"])
+def test_4bit_shape_limit_of_the_packed_path_is_refused_by_layer_name(scheme, monkeypatch):
+    """As on an AVX512-BF16 CPU (forced here, so every CPU class runs it): refused before anything is quantized,
+    naming the first layer that does not fit and its size; the model is left as it was."""
+    monkeypatch.setattr(hf_spec.quantization, "packs_4bit_for_cpu", lambda: True)
+    model = _narrow_model()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\.self_attn\.q_proj' \(32 -> 32 features\).*"
+                                         r"divisible by 64"):
+        quantized_copy(model, scheme)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert not any(isinstance(module, bnb.Linear4bit) for module in model.modules())
+    check_quantizable(model, "8bit")  # 8-bit layers have no such limit
+    check_quantizable(model, scheme, device_map={"": "cuda:0"})  # nor do 4-bit layers on a GPU
+
+
+def test_4bit_shape_limit_is_checked_from_the_config_before_loading(tmp_path, monkeypatch):
+    from hf_spec.pretrained import load
+
+    monkeypatch.setattr(hf_spec.quantization, "packs_4bit_for_cpu", lambda: True)
+    _narrow_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"`quantize='nf4'`: bitsandbytes cannot run layer 'model\.layers\.0"):
+        load(str(tmp_path), quantize="nf4")
+
+
+def test_4bit_narrow_model_on_this_cpu_path():
+    """The real bitsandbytes on this CPU: the dequantizing path (AVX2 only) runs a 32-wide model; the packed path
+    (AVX512-BF16) is refused up front with the clear error instead of bitsandbytes' reshape error mid-forward."""
+    model = _narrow_model()
+    if packs_4bit_for_cpu():
+        with pytest.raises(ValueError, match="divisible by 64"):
+            quantized_copy(model, "nf4")
+    else:
+        quantized = quantized_copy(model, "nf4")
+        with torch.no_grad():
+            assert quantized(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 16)
