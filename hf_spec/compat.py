@@ -1,17 +1,92 @@
 """Every use of transformers' private API, in one place: an upgrade of transformers is one file to review.
 
-Each helper names the private attribute or function it reaches and is tested against the pinned version
-(``tests/test_compat.py``). Nothing else in hf_spec touches a name that starts with an underscore in transformers.
+Each helper names the private attribute, method or function it reaches; ``tests/test_compat.py`` checks each one
+against the pinned transformers version. Outside this module hf_spec reaches no private transformers name, with one
+exception by construction: `hf_spec.mixin` overrides the two private `GenerationMixin` methods named in
+`OVERRIDDEN_METHODS`, and `check_generation_hooks` fails at import time if transformers stops routing to them.
+`logits_processors` (importable on its own) keeps its three uses of processor internals in
+`logits_processors.compat`; they are re-exported here.
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
+import inspect
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+from logits_processors.compat import num_beams, prefix_allowed_tokens, prepare_sequence_bias
+
+__all__ = [
+    "OVERRIDDEN_METHODS",
+    "check_generation_hooks",
+    "decoding_chain",
+    "drop_gguf_quantizer",
+    "modules_kept_in_full_precision",
+    "num_beams",
+    "pad_token_tensor",
+    "prefix_allowed_tokens",
+    "prepare_sequence_bias",
+]
+
+#: The private `GenerationMixin` methods `hf_spec.mixin.SpeculativeGenerationMixin` overrides, with the parameters
+#: it relies on.
+OVERRIDDEN_METHODS = {
+    "_assisted_decoding": ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
+                           "streamer", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer"),
+    "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
+}
+
+
+def check_generation_hooks() -> None:
+    """Raise ``ImportError`` unless ``generate(assistant_model=...)`` still routes to ``_assisted_decoding`` and both
+    overridden methods keep the parameters hf_spec relies on: better to fail at import than to run transformers'
+    non-exact loop silently."""
+    if GENERATION_MODES_MAPPING.get(GenerationMode.ASSISTED_GENERATION) != "_assisted_decoding":
+        raise ImportError(
+            "hf_spec hooks transformers' `_assisted_decoding`, which this transformers version no longer routes to; "
+            "install a supported version (see setup.cfg)."
+        )
+    for name, expected in OVERRIDDEN_METHODS.items():
+        method = getattr(GenerationMixin, name, None)
+        parameters = set(inspect.signature(method).parameters) if method is not None else set()
+        missing = [parameter for parameter in expected if parameter not in parameters]
+        if missing:
+            raise ImportError(f"transformers' `GenerationMixin.{name}` lacks {missing}; install a supported version.")
+
+
+def pad_token_tensor(generation_config: GenerationConfig) -> torch.Tensor | None:
+    """The pad id ``generate()`` resolved for this call (``pad_token_id``, else an ``eos_token_id``), as a tensor:
+    ``generation_config._pad_token_tensor``."""
+    return generation_config._pad_token_tensor
+
+
+def decoding_chain(model: PreTrainedModel, settings: dict, prompt_ids: torch.Tensor,
+                   logits_processor: LogitsProcessorList | None = None) -> LogitsProcessorList:
+    """The processor chain ``model.generate(prompt_ids, **settings)`` would build, by transformers' own code:
+    ``_prepare_generation_config``, ``_prepare_special_tokens``, ``_get_logits_processor``."""
+    generation_config, _ = model._prepare_generation_config(None, **settings)
+    model._prepare_special_tokens(generation_config, True, device=prompt_ids.device)
+    return model._get_logits_processor(
+        generation_config=generation_config, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
+        logits_processor=logits_processor or LogitsProcessorList(), device=prompt_ids.device, model_kwargs={},
+    )
 
 
 def modules_kept_in_full_precision(model: PreTrainedModel) -> list[str]:
     """Names of the modules transformers' bitsandbytes quantizer leaves unquantized by default (the output
-    embeddings, tied weights, the last module): ``transformers.quantizers.base.get_keys_to_not_convert``."""
+    embeddings, tied weights, the last module, ``_keep_in_fp32_modules``):
+    ``transformers.quantizers.base.get_keys_to_not_convert``."""
     from transformers.quantizers.base import get_keys_to_not_convert
 
     return list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+
+
+def drop_gguf_quantizer(model: PreTrainedModel) -> None:
+    """Make a model loaded from GGUF (already dequantized to float) saveable: ``save_pretrained`` refuses it while
+    ``model.hf_quantizer`` and ``config.quantization_config`` are set."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config

@@ -3,7 +3,7 @@
 transformers routes ``generate(assistant_model=draft)`` and ``generate(prompt_lookup_num_tokens=n)`` to
 ``GenerationMixin._assisted_decoding``. This mixin replaces that one method with `hf_spec.decoding.speculative_decode`
 and adds the checks it needs; every other generation mode (and early-exit or MTP assisted decoding) runs
-transformers' own code unchanged. The drafter (`hf_spec.drafters`) is:
+transformers' own code unchanged. The drafter (`hf_spec.drafting`) is:
 
 - ``assistant_model=draft``: the draft model;
 - ``prompt_lookup_num_tokens=n`` (with ``max_matching_ngram_size``, default 2): prompt lookup, the exact rule for a
@@ -16,7 +16,7 @@ Extra ``generate()`` arguments:
   ``torch.manual_seed`` reproduces a run);
 - ``num_assistant_tokens``: k, the draft block length; the call wins over the draft's ``generation_config``, then
   ``prompt_lookup_num_tokens``. ``"auto"`` chooses k every round from measured acceptance and costs
-  (`hf_spec.draft_length.AutoDraftLength`; pass an instance to keep what it learnt across calls).
+  (`hf_spec.drafting.AutoDraftLength`; pass an instance to keep what it learnt across calls).
 
 With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
 ``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_spec.caches import prepare_for_rollback
+from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
-from hf_spec.drafters import Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
+from hf_spec.drafting import Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
     resolve_num_draft_tokens,
@@ -48,12 +48,8 @@ from hf_spec.validation import (
 )
 from logits_processors import check_processors
 
-# The hook this module overrides; fail at import rather than silently run transformers' non-exact loop.
-if GENERATION_MODES_MAPPING.get(GenerationMode.ASSISTED_GENERATION) != "_assisted_decoding":
-    raise ImportError(
-        "hf_spec hooks transformers' `_assisted_decoding`, which this transformers version no longer routes to; "
-        "install a supported version (see setup.cfg)."
-    )
+# The hooks this module overrides; fail at import rather than silently run transformers' non-exact loop.
+check_generation_hooks()
 
 
 @dataclasses.dataclass
@@ -92,7 +88,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
     def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None, **kwargs):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
-        num_assistant_tokens = kwargs.get("num_assistant_tokens", getattr(generation_config, "num_assistant_tokens", None))
+        num_assistant_tokens = kwargs.get("num_assistant_tokens",
+                                          getattr(generation_config, "num_assistant_tokens", None))
         token = _CALL_OPTIONS.set(_CallOptions(generator=generator, num_assistant_tokens=num_assistant_tokens))
         try:
             return super().generate(inputs, generation_config, *args, **kwargs)
@@ -134,7 +131,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
         if synced_gpus:
             raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
         batch_size = input_ids.shape[0]
-        pad_token = generation_config._pad_token_tensor
+        pad_token = pad_token_tensor(generation_config)
         if batch_size > 1 and pad_token is None:
             raise ValueError(
                 f"A batch of {batch_size} rows needs `pad_token_id` (finished rows are padded with it), but neither "
@@ -154,8 +151,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
             input_ids,
             model_kwargs.get("attention_mask"),
             target_cache,
-            num_draft_tokens=resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model,
-                                                      prompt_lookup_num_tokens),
+            draft_length=resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model,
+                                                  prompt_lookup_num_tokens),
             logits_processor=logits_processor,
             stopping_criteria=stopping_criteria,
             generation_config=generation_config,
@@ -228,5 +225,6 @@ def _speculative_class(model_class: type) -> type:
     return type(
         model_class.__name__,
         (SpeculativeGenerationMixin, model_class),
-        {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__, "__doc__": model_class.__doc__},
+        {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__,
+         "__doc__": model_class.__doc__},
     )

@@ -57,9 +57,29 @@ class SpeculativeStats:
         return drafted / self.num_rounds if self.num_rounds else 0.0
 
     @property
-    def acceptance_rate_by_position(self) -> list[float]:
+    def acceptance_by_position(self) -> list[float]:
         """Per block position: accepted / proposed (0.0 where nothing was proposed)."""
         return [a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.proposed_by_position)]
+
+    @classmethod
+    def combine(cls, calls: list[SpeculativeStats]) -> SpeculativeStats:
+        """The counters and timings of several calls added up (per-row statistics are not kept)."""
+        total = cls()
+        for stats in calls:
+            for name in ("num_rounds", "num_draft_tokens", "num_accepted", "num_emitted", "draft_seconds",
+                         "verify_seconds"):
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+            for name in ("accepted_by_position", "proposed_by_position", "rounds_by_draft_length"):
+                mine, theirs = getattr(total, name), getattr(stats, name)
+                _grow(mine, len(theirs))
+                for i, count in enumerate(theirs):
+                    mine[i] += count
+        return total
+
+    def record_seconds(self, draft_seconds: float, verify_seconds: float) -> None:
+        """Add one round's time drafting, and verifying with everything after it."""
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
 
     def record_round(
         self, num_draft_tokens: int, num_accepted: list[int], num_emitted: list[int], rows: list[int], batch_size: int
@@ -95,7 +115,7 @@ class SpeculativeStats:
             "rows": [row.to_dict() for row in self.rows],
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
-            "acceptance_rate_by_position": self.acceptance_rate_by_position,
+            "acceptance_by_position": self.acceptance_by_position,
             "mean_draft_length": self.mean_draft_length,
         }
 

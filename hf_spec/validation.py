@@ -8,10 +8,13 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
-from hf_spec.draft_length import DEFAULT_MAX_DRAFT_TOKENS, AutoDraftLength
-
-#: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
-DEFAULT_NUM_DRAFT_TOKENS = 5
+from hf_spec.checks import check_int, is_int_at_least
+from hf_spec.drafting.draft_length import (
+    DEFAULT_MAX_DRAFT_TOKENS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    AutoDraftLength,
+    FixedDraftLength,
+)
 
 #: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
 SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
@@ -19,9 +22,9 @@ SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "
 
 def resolve_num_draft_tokens(
     call_value: Any, draft: PreTrainedModel | None, prompt_lookup_num_tokens: int | None = None
-) -> int | AutoDraftLength:
-    """k, or the `AutoDraftLength` that chooses it: ``num_assistant_tokens`` from the call, else from the draft's
-    generation config, else ``prompt_lookup_num_tokens``, else the default.
+) -> FixedDraftLength | AutoDraftLength:
+    """How k is chosen: ``num_assistant_tokens`` from the call, else from the draft's generation config, else
+    ``prompt_lookup_num_tokens``, else the default (`DEFAULT_NUM_DRAFT_TOKENS`).
 
     ``"auto"`` makes a new `AutoDraftLength` (at most ``prompt_lookup_num_tokens`` tokens with prompt lookup); an
     `AutoDraftLength` instance is used as is, keeping what it learnt in earlier calls. transformers reads
@@ -33,27 +36,26 @@ def resolve_num_draft_tokens(
     if value is None:
         value = prompt_lookup_num_tokens
     if value is None:
-        return DEFAULT_NUM_DRAFT_TOKENS
+        return FixedDraftLength(DEFAULT_NUM_DRAFT_TOKENS)
     if isinstance(value, AutoDraftLength):
         return value
     if value == "auto":
         return AutoDraftLength(max_draft_tokens=prompt_lookup_num_tokens or DEFAULT_MAX_DRAFT_TOKENS)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    if not is_int_at_least(value, 1):
         raise ValueError(
             f"`num_assistant_tokens` (the draft block length k) must be a positive integer, 'auto' or an "
             f"AutoDraftLength, but is {value!r} ({type(value).__name__})."
         )
-    return int(value)
+    return FixedDraftLength(int(value))
 
 
 def resolve_prompt_lookup(generation_config: GenerationConfig) -> tuple[int | None, int]:
     """``(prompt_lookup_num_tokens or None, max_matching_ngram_size)``, validated (transformers' default n-gram: 2)."""
     num_tokens = generation_config.prompt_lookup_num_tokens
     ngram = generation_config.max_matching_ngram_size
-    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", ngram)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
-            raise ValueError(f"`{name}` must be a positive integer, but is {value!r} ({type(value).__name__}).")
-    return num_tokens, 2 if ngram is None else int(ngram)
+    if num_tokens is not None:
+        check_int("prompt_lookup_num_tokens", num_tokens)
+    return num_tokens, 2 if ngram is None else check_int("max_matching_ngram_size", ngram)
 
 
 def validate_speculative_call(
@@ -86,7 +88,8 @@ def validate_speculative_call(
     # prompt lookup turns greedy and sampling into assisted generation, and only those
     if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
         raise ValueError(
-            f"Speculative decoding (`assistant_model` or `prompt_lookup_num_tokens`) supports greedy decoding and sampling only, but the "
+            "Speculative decoding (`assistant_model` or `prompt_lookup_num_tokens`) supports greedy decoding and "
+            f"sampling only, but the "
             f"generation settings select {base_mode.value!r} (num_beams={generation_config.num_beams}, "
             f"penalty_alpha={generation_config.penalty_alpha}, constraints={generation_config.constraints})."
         )

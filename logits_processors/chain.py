@@ -122,7 +122,8 @@ def _per_position(
     decoding); rows of different lengths are called in groups, since one ``input_ids`` tensor holds one length.
     """
     processed = []
-    for i, lengths in enumerate((prefix_lengths[:, None] + torch.arange(scores.shape[1], device=scores.device)).T.tolist()):
+    position_lengths = prefix_lengths[:, None] + torch.arange(scores.shape[1], device=scores.device)  # [batch, k + 1]
+    for i, lengths in enumerate(position_lengths.T.tolist()):
         groups = rows_by_length(lengths)
         if len(groups) == 1:
             processed.append(processor(sequence_ids[:, : lengths[0]], scores[:, i].clone()))

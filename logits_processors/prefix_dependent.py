@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
     SuppressTokensAtBeginLogitsProcessor,
 )
 
+from logits_processors.compat import num_beams, prefix_allowed_tokens, prepare_sequence_bias
 from logits_processors.registry import register_block_processor
 
 
@@ -123,8 +124,7 @@ def no_repeat_ngram_block(processor, sequence_ids, prefix_lengths, scores):
 
 def sequence_bias_block(processor, sequence_ids, prefix_lengths, scores):
     """Add each sequence's bias to its last token at the positions whose prefix ends with the rest of it."""
-    if not processor.prepared_bias_variables:
-        processor._prepare_bias_variables(scores[:, 0])  # transformers' own checks and tensors
+    prepare_sequence_bias(processor, scores[:, 0])  # transformers' own checks and tensors
     lengths = position_lengths(prefix_lengths, scores)
     bias = torch.zeros_like(scores)
     bias += processor.length_1_bias
@@ -139,11 +139,11 @@ def sequence_bias_block(processor, sequence_ids, prefix_lengths, scores):
 
 def prefix_constrained_block(processor, sequence_ids, prefix_lengths, scores):
     """``prefix_allowed_tokens_fn(batch_id, prefix)`` for every row and position, with each row's own batch id."""
-    assert processor._num_beams == 1, "speculative decoding runs without beams"
+    assert num_beams(processor) == 1, "speculative decoding runs without beams"
     mask = torch.full_like(scores, float("-inf"))  # [batch, k + 1, vocab]
     for batch_id, lengths in enumerate(position_lengths(prefix_lengths, scores).tolist()):
         for position, length in enumerate(lengths):
-            allowed = processor._prefix_allowed_tokens_fn(batch_id, sequence_ids[batch_id, :length])
+            allowed = prefix_allowed_tokens(processor, batch_id, sequence_ids[batch_id, :length])
             if len(allowed) == 0:
                 raise ValueError(
                     f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {batch_id}. This means that the "

@@ -90,7 +90,8 @@ def top_p_rows(processor: TopPLogitsWarper, scores: torch.Tensor) -> torch.Tenso
         is_unsure |= keep[:, -1] & is_finite[:, -1]
 
     # 3. Remove everything but the kept candidates; unsure rows are computed by transformers.
-    processed = torch.full_like(scores, float("-inf")).scatter_(-1, top_ids, top_scores.masked_fill(~keep, float("-inf")))
+    kept_scores = top_scores.masked_fill(~keep, float("-inf"))
+    processed = torch.full_like(scores, float("-inf")).scatter_(-1, top_ids, kept_scores)
     unsure_rows = is_unsure.nonzero().flatten()
     if len(unsure_rows) > 0:  # host synchronization; rare
         processed[unsure_rows] = processor(None, scores[unsure_rows])

@@ -16,7 +16,8 @@ import time
 import torch
 
 from hf_spec import speculative
-from hf_spec.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, humaneval_prompts, load
+from hf_spec.evaluation.corpora import humaneval_prompts
+from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
 
 def generated_counts(sequences: torch.Tensor, prompt_width: int, eos_ids: set[int]) -> list[int]:
@@ -72,8 +73,8 @@ def main() -> None:
         stats = ours.speculative_stats
         result = {
             "batch_size": batch_size,
-            "target_only_tokens_per_s": baseline_tokens / baseline_seconds,
-            "ours_tokens_per_s": ours_tokens / ours_seconds,
+            "target_only_tokens_per_second": baseline_tokens / baseline_seconds,
+            "ours_tokens_per_second": ours_tokens / ours_seconds,
             "acceptance": stats.acceptance_rate,
             "acceptance_by_row": [row.acceptance_rate for row in stats.rows],
             "tokens_per_target_pass_by_row": [row.tokens_per_round for row in stats.rows],
@@ -82,7 +83,7 @@ def main() -> None:
             ),
             "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
         }
-        result["speed_up"] = result["ours_tokens_per_s"] / result["target_only_tokens_per_s"]
+        result["speed_up"] = result["ours_tokens_per_second"] / result["target_only_tokens_per_second"]
         results.append(result)
         print(json.dumps(result), flush=True)
 
@@ -92,7 +93,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         by_row = ", ".join(f"{a:.2f}" for a in r["acceptance_by_row"])
-        print(f"| {r['batch_size']} | {r['target_only_tokens_per_s']:.2f} | {r['ours_tokens_per_s']:.2f} | "
+        print(f"| {r['batch_size']} | {r['target_only_tokens_per_second']:.2f} | {r['ours_tokens_per_second']:.2f} | "
               f"{r['speed_up']:.2f}x | {r['acceptance']:.2f} | {by_row} | "
               f"{r['rows_identical_to_target_only']}/{r['batch_size']} |")
     if args.json:

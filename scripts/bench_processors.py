@@ -98,7 +98,8 @@ def main() -> None:
         ))
         loop_ms.append(median_ms(lambda: per_position_loop(chain, sequence_ids, args.prefix, logits), args.repeats))
     result = {
-        "cpu": torch.backends.cpu.get_cpu_capability(), "threads": args.threads, "prefix": args.prefix, "k": K, "vocab_size": VOCAB_SIZE,
+        "cpu": torch.backends.cpu.get_cpu_capability(), "threads": args.threads, "prefix": args.prefix, "k": K,
+        "vocab_size": VOCAB_SIZE,
         "chain": [type(p).__name__ for p in chain],
         "ours_ms": statistics.median(ours_ms), "transformers_loop_ms": statistics.median(loop_ms),
     }
@@ -116,7 +117,8 @@ def main() -> None:
         share = result.get(f"{key}_share_of_forward")
         print(f"| {name} | {result[f'{key}_ms']:.2f} | {'-' if share is None else f'{100 * share:.1f}%'} |")
     if "qwen_1_5b_bf16_block_forward_ms" in result:
-        print(f"| Qwen-1.5B-shaped bf16 forward, {K + 1}-token block | {result['qwen_1_5b_bf16_block_forward_ms']:.1f} | |")
+        block_ms = result["qwen_1_5b_bf16_block_forward_ms"]
+        print(f"| Qwen-1.5B-shaped bf16 forward, {K + 1}-token block | {block_ms:.1f} | |")
     print(f"speed-up of the chain: {result['speed_up']:.1f}x")
     if args.json:
         with open(args.json, "w") as file:

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from hf_spec.models import build_tiny_pair
+from hf_spec.loading.tiny import build_tiny_pair
 
 SETTINGS = {"greedy": {"do_sample": False}, "T=0.7": {"do_sample": True, "temperature": 0.7}}
 

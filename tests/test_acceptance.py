@@ -9,18 +9,18 @@ import torch
 from conftest import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
-from hf_spec.acceptance import (
+from hf_spec.drafting.speedup import expected_tokens
+from hf_spec.evaluation.continuations import target_continuations
+from hf_spec.evaluation.corpora import load_texts
+from hf_spec.evaluation.draft_fit import (
     METRIC_PATH,
     acceptance_probability,
     evaluate_draft,
     expected_tokens_along,
     greedy_acceptance,
     measure_draft,
-    target_continuations,
     total_variation,
 )
-from hf_spec.corpora import load_texts
-from hf_spec.speedup import expected_tokens
 
 evaluate = pytest.importorskip("evaluate")
 
@@ -102,9 +102,9 @@ def predicted_and_measured(pair, predict_settings: dict, measure_settings: dict)
     inputs = prompts(48, seed=1)
     continuations = target_continuations(target, inputs, 24, measure_settings, seed=2)
     report = evaluate_draft(target, draft, inputs, continuations, predict_settings, ks=[1])
-    measured = measure_draft(target, draft, inputs, k=1, max_new_tokens=24, settings=measure_settings, seed=3)
+    measured = measure_draft(target, draft, inputs, 1, max_new_tokens=24, settings=measure_settings, seed=3)
     # Standard errors: the measured rate (binomial over rounds) and the predicted mean (over positions).
-    a, n = measured["acceptance_rate"], measured["num_draft_tokens"]
+    a, n = measured.acceptance_rate, measured.stats.num_draft_tokens
     spread = torch.tensor(report.acceptance_by_sequence).std().item() / math.sqrt(len(inputs))
     return report.acceptance_rate, a, math.sqrt(a * (1 - a) / n + spread**2)
 
@@ -146,18 +146,20 @@ def test_acceptance_is_reported_by_position_too(pair):
     settings = {"do_sample": True, "temperature": 1.0}
     continuations = target_continuations(target, inputs, 10, settings)
     report = evaluate_draft(target, draft, inputs, continuations, settings, ks=[3])
-    assert [len(values) for values in report.acceptance_by_position] == [c.shape[1] for c in continuations]
-    flat = [value for values in report.acceptance_by_position for value in values]
+    assert [len(values) for values in report.acceptance_along_text] == [c.shape[1] for c in continuations]
+    flat = [value for values in report.acceptance_along_text for value in values]
     assert all(0.0 <= value <= 1.0 + 1e-6 for value in flat)
     assert sum(flat) / len(flat) == pytest.approx(report.acceptance_rate, rel=1e-5)
-    measured = measure_draft(target, draft, inputs, k=3, max_new_tokens=10, settings=settings)
-    by_block_position = measured["acceptance_by_block_position"]
-    assert len(by_block_position) == 3 and by_block_position[0] == pytest.approx(measured["acceptance_at_position_0"])
+    measured = measure_draft(target, draft, inputs, 3, max_new_tokens=10, settings=settings)
+    by_block_position = measured.acceptance_by_position
+    stats = measured.stats
+    assert len(by_block_position) == 3
+    assert by_block_position[0] == pytest.approx(stats.accepted_by_position[0] / stats.proposed_by_position[0])
     assert by_block_position == sorted(by_block_position, reverse=True), "reaching position j needs all before it"
 
 
 def test_humaneval_solutions_are_each_prompt_and_its_canonical_solution():
-    from hf_spec.pretrained import humaneval_problems
+    from hf_spec.evaluation.corpora import humaneval_problems
 
     problems = humaneval_problems()
     texts = load_texts("humaneval-solutions", offset=0, count=100)

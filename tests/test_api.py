@@ -27,7 +27,8 @@ def test_speculative_is_idempotent_keeps_weights_and_class_name():
 def test_other_generation_modes_behave_exactly_as_before(target):
     plain = make_tiny_model(seed=0)  # same weights as the `target` fixture, not made speculative
     for kwargs in ({"do_sample": False}, {"num_beams": 3, "do_sample": False}, {"prompt_lookup_num_tokens": 2}):
-        assert torch.equal(target.generate(PROMPT, max_new_tokens=12, **kwargs), plain.generate(PROMPT, max_new_tokens=12, **kwargs))
+        assert torch.equal(target.generate(PROMPT, max_new_tokens=12, **kwargs),
+                           plain.generate(PROMPT, max_new_tokens=12, **kwargs))
     torch.manual_seed(0)
     ours = target.generate(PROMPT, max_new_tokens=12, do_sample=True)
     torch.manual_seed(0)

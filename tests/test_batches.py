@@ -59,7 +59,8 @@ def test_ragged_greedy_batch_equals_each_row_alone(target, k):
         num_assistant_tokens=k, return_dict_in_generate=True,
     )
     for row, prompt in enumerate(PROMPTS):
-        assert output.sequences[row, ids.shape[1] :].tolist() == alone[row][len(prompt) : len(prompt) + num_new].tolist()
+        expected = alone[row][len(prompt) : len(prompt) + num_new]
+        assert output.sequences[row, ids.shape[1] :].tolist() == expected.tolist()
     rows = output.speculative_stats.rows
     assert rows[0].acceptance_rate == 1.0
     assert len({row.num_accepted for row in rows}) > 1, "the rows should accept different numbers of tokens"

@@ -10,19 +10,21 @@ import torch
 from conftest import make_tiny_model
 
 from hf_spec import speculative, without_speculation
-from hf_spec.bench import random_workloads, run_benchmark, text_workloads
+from hf_spec.bench.measure import ForwardCounter, PeakMemory
+from hf_spec.bench.runner import run_benchmark
+from hf_spec.bench.workloads import random_workloads, text_workloads
 from hf_spec.cli import main
-from hf_spec.measure import ForwardCounter, PeakMemory
+from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, expected_tokens, predicted_speedup
+from hf_spec.loading.tiny import TINY_VOCAB_SIZE, build_tiny_pair
 from hf_spec.mixin import SpeculativeGenerationMixin
-from hf_spec.models import TINY_VOCAB_SIZE, build_tiny_pair
-from hf_spec.speedup import acceptance_from_tokens_per_pass, expected_tokens, predicted_speedup
 
 TINY = ["--target", "tiny", "--draft", "tiny"]
 RESULT_FIELDS = {
-    "workload", "setting", "method", "calls", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_target_only",
-    "speedup_vs_own_target_only", "speedup_vs_transformers", "acceptance_rate", "tokens_per_target_pass", "alpha", "predicted_speedup",
-    "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_s",
-    "latency_p90_s", "weights_bytes", "working_memory_bytes", "peak_memory_bytes", "identical_to_target_only",
+    "workload", "setting", "method", "calls", "new_tokens", "seconds", "tokens_per_second", "speedup_vs_target_only",
+    "speedup_vs_own_target_only", "speedup_vs_transformers", "acceptance_rate", "tokens_per_target_pass", "alpha",
+    "predicted_speedup",
+    "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_seconds",
+    "latency_p90_seconds", "weights_bytes", "working_memory_bytes", "peak_memory_bytes", "identical_to_target_only",
 }
 
 
@@ -82,17 +84,18 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
     assert report["config"]["method_specs"]["transformers"]["assistant_settings"] == {
         "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
     for costs in report["costs"].values():
-        assert costs["target_step_s"] > 0 and costs["draft_step_s"] > 0 and costs["block_cost_by_k"]["5"] > 0
+        assert costs["target_step_seconds"] > 0 and costs["draft_step_seconds"] > 0
+        assert costs["block_cost_by_k"]["5"] > 0
     results = {(r["workload"], r["setting"], r["method"]): r for r in report["results"]}
     # (2 workloads + all of them) x 2 settings x 4 methods; 2 prompts per workload
     assert len(results) == 3 * 2 * 4 and len(report["runs"]) == 2 * 2 * 2 * 4
     for key, row in results.items():
         assert set(row) == RESULT_FIELDS, key
-        assert row["tokens_per_s"] > 0 and row["calls"] == (4 if key[0] == "all" else 2)
-        assert row["latency_p90_s"] >= row["latency_p50_s"]
+        assert row["tokens_per_second"] > 0 and row["calls"] == (4 if key[0] == "all" else 2)
+        assert row["latency_p90_seconds"] >= row["latency_p50_seconds"]
         assert row["peak_memory_bytes"] >= row["weights_bytes"] > 0
         assert row["speedup_vs_transformers"] == pytest.approx(
-            row["tokens_per_s"] / results[(*key[:2], "transformers")]["tokens_per_s"])
+            row["tokens_per_second"] / results[(*key[:2], "transformers")]["tokens_per_second"])
     for workload in ("code", "prose"):
         ours, theirs = results[(workload, "greedy", "hf_spec")], results[(workload, "greedy", "transformers")]
         assert ours["identical_to_target_only"] == 1.0 and theirs["identical_to_target_only"] == 1.0
@@ -110,8 +113,8 @@ def test_bench_rejects_bad_input():
         run_benchmark(target, draft, workloads, methods=("hf_spec",), progress=False)
     with pytest.raises(ValueError, match="Unknown method 'vllm'"):
         run_benchmark(target, draft, workloads, methods=("target_only", "vllm"), progress=False)
-    with pytest.raises(ValueError, match="`k` must be a positive integer, but is 0"):
-        run_benchmark(target, draft, workloads, k=0, progress=False)
+    with pytest.raises(ValueError, match="`num_draft_tokens` must be a positive integer, but is 0"):
+        run_benchmark(target, draft, workloads, num_draft_tokens=0, progress=False)
     with pytest.raises(ValueError, match=r"runs on variant 'nf4', but `variants` has \[\]"):
         run_benchmark(target, draft, workloads, methods=("target_only", "hf_spec@nf4"), progress=False)
     with pytest.raises(ValueError, match="Workload 'code' has no prompts"):
@@ -174,7 +177,7 @@ def test_bench_cli_refuses_draft_variants_without_a_tokenizer(tmp_path):
 
 
 def test_text_workloads_hold_out_the_first_prompts_by_offset():
-    from hf_spec.pretrained import humaneval_problems
+    from hf_spec.evaluation.corpora import humaneval_problems
 
     seen = []
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_spec.cli import main
-from hf_spec.models import build_tiny_pair
+from hf_spec.loading.tiny import build_tiny_pair
 
 TINY = ["--target", "tiny", "--draft", "tiny"]
 
@@ -26,7 +26,7 @@ def test_generate_prints_tokens_and_statistics(capsys):
 def test_generate_rejects_bad_prompt_ids_and_mixed_pairs(capsys):
     with pytest.raises(SystemExit, match="prompt-ids"):
         main(["generate", *TINY, "--prompt-ids", "1 x 3"])
-    with pytest.raises(SystemExit, match="--target tiny goes with --draft tiny"):
+    with pytest.raises(SystemExit, match="--target tiny --draft .*: `target` 'tiny' goes with `draft` 'tiny'"):
         main(["generate", "--target", "tiny"])
     for option in ("--threads", "--max-new-tokens"):
         with pytest.raises(SystemExit):

@@ -10,17 +10,17 @@ from conftest import make_noisy_copy, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_spec import speculative
-from hf_spec.acceptance import measure_draft
 from hf_spec.cli import main
 
 datasets = pytest.importorskip("datasets")
-from hf_spec.distill import (
+from hf_spec.evaluation.distill import (
     continuation_dataset,
     distill,
     distillation_loss,
     select_trainable,
     text_dataset,
 )
+from hf_spec.evaluation.draft_fit import measure_draft
 
 
 def test_loss_is_zero_for_equal_laws_and_tv_for_known_ones():
@@ -55,15 +55,15 @@ SETTINGS = {"do_sample": True, "temperature": 1.0}
 def test_a_short_distillation_lowers_tv_and_raises_measured_acceptance(pair, tmp_path):
     target, draft = pair
     held_out = prompts(24, seed=99)
-    before = measure_draft(target, draft, held_out, k=3, max_new_tokens=16, settings=SETTINGS, seed=1)
+    before = measure_draft(target, draft, held_out, 3, max_new_tokens=16, settings=SETTINGS, seed=1)
     dataset = continuation_dataset(target, prompts(32, seed=0), 24, SETTINGS, cache_dir=tmp_path / "data")
     trained, history = distill(target, draft, dataset, tmp_path / "draft", loss="tv", max_steps=120,
                                learning_rate=3e-3, per_device_train_batch_size=8, logging_steps=10,
                                disable_tqdm=True)
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert losses[-1] < 0.8 * losses[0], losses
-    after = measure_draft(target, trained, held_out, k=3, max_new_tokens=16, settings=SETTINGS, seed=1)
-    assert after["acceptance_rate"] > before["acceptance_rate"] + 0.05, (before, after)
+    after = measure_draft(target, trained, held_out, 3, max_new_tokens=16, settings=SETTINGS, seed=1)
+    assert after.acceptance_rate > before.acceptance_rate + 0.05, (before, after)
     # saved with save_pretrained, and works as assistant_model straight away
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
     prompt = torch.tensor([[1, 2, 3]])
@@ -126,7 +126,7 @@ def test_cli_eval_draft_and_distill_on_the_tiny_pair(tmp_path):
     report = json.loads((tmp_path / "e.json").read_text())
     assert 0 <= report["predicted"]["acceptance_rate"] <= 1 and report["cost_ratio"] > 0
     assert set(report["predicted"]["predicted_speedup"]) == {str(k) for k in (1, 2, 3, 4, 5, 6, 8, 10)}
-    assert report["measured"]["k"] == 2 and report["measured"]["num_rounds"] > 0
+    assert report["measured"]["num_draft_tokens"] == 2 and report["measured"]["stats"]["num_rounds"] > 0
     assert main(["distill", *tiny, "--output-dir", str(tmp_path / "d"), "--max-steps", "2",
                  "--output", str(tmp_path / "d.json")]) == 0
     assert (tmp_path / "d" / "config.json").exists()

@@ -9,8 +9,8 @@ import torch
 from conftest import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
-from hf_spec.draft_length import AutoDraftLength, best_draft_length
-from hf_spec.speedup import expected_tokens
+from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
+from hf_spec.drafting.speedup import expected_tokens
 
 
 def analytic_best_k(a: float, c: float, b: list[float]) -> int:
@@ -83,7 +83,7 @@ def test_auto_explores_after_rounds_without_drafting():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_draft_tokens": 0}, "`max_draft_tokens` must be an integer >= 1, but is 0"),
+    ({"max_draft_tokens": 0}, "`max_draft_tokens` must be a positive integer, but is 0"),
     ({"initial": -1}, "`initial` must be an integer >= 0, but is -1"),
     ({"decay": 0.0}, "`decay` must be in \\(0, 1\\], but is 0.0"),
     ({"prior_acceptance": 1.0}, "`prior_acceptance` must be in \\(0, 1\\)"),

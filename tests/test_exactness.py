@@ -63,7 +63,8 @@ def exact_law(model, settings: dict, user_processors: list, prompt: torch.Tensor
     path_probs = np.ones(1)  # P(prefix) for every prefix of the current depth, in itertools.product order
     for depth in range(NUM_TOKENS):
         prefixes = list(itertools.product(range(VOCAB), repeat=depth))
-        ids = torch.cat([prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), depth)], 1)
+        prefix_ids = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), depth)
+        ids = torch.cat([prompt.expand(len(prefixes), -1), prefix_ids], 1)
         with torch.no_grad():
             logits = model(ids).logits[:, -1].float()
         probs = chain(ids, logits).softmax(-1).double().numpy()  # [prefixes, V]: p(next | prefix)

@@ -86,7 +86,8 @@ def test_forced_rejection_at_every_position_keeps_caches_exact(target, monkeypat
     def recording_roll_back(target_cache, drafter, num_cached, staying_rows):
         original_roll_back(target_cache, drafter, num_cached, staying_rows)
         length = num_cached + 1  # one row, no holes: the committed length
-        snapshots.append((length, [layer.keys.clone() for layer in target_cache.layers], drafter.cache.get_seq_length()))
+        keys = [layer.keys.clone() for layer in target_cache.layers]
+        snapshots.append((length, keys, drafter.cache.get_seq_length()))
 
     monkeypatch.setattr(hf_spec.decoding, "_roll_back", recording_roll_back)
     output = target.generate(
@@ -99,7 +100,8 @@ def test_forced_rejection_at_every_position_keeps_caches_exact(target, monkeypat
         assert stats.acceptance_rate == 1.0
     else:  # never accepted at the forced position, always accepted before it
         assert stats.accepted_by_position[reject_at_block_position] == 0
-        assert stats.accepted_by_position[:reject_at_block_position] == stats.proposed_by_position[:reject_at_block_position]
+        before = slice(0, reject_at_block_position)
+        assert stats.accepted_by_position[before] == stats.proposed_by_position[before]
 
     for length, target_keys, draft_length in snapshots:
         # Target cache: exactly the committed sequence minus its last token, equal to a fresh prefill.

@@ -1,11 +1,12 @@
-"""The CPU class every figure and every CI log names (`hf_spec.measure.cpu_class`, the pytest header)."""
+"""The CPU class every figure and every CI log names (`hf_spec.loading.cpu.cpu_class`, the pytest header)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import pytest_report_header
 
-from hf_spec.measure import cpu_class, machine_info
+from hf_spec.bench.measure import machine_info
+from hf_spec.loading.cpu import cpu_class
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -8,8 +8,9 @@ import zipfile
 import pytest
 import torch
 
-from hf_spec import pretrained, speculative
-from hf_spec.pretrained import PackagedModel
+from hf_spec import speculative
+from hf_spec.loading import pretrained
+from hf_spec.loading.pretrained import PackagedModel
 
 
 def fake_wheel(directory, name: str, version: str, payload: bytes):

@@ -119,13 +119,15 @@ def processors(draw, vocab_size: int, num_prefix: int, batch_size: int) -> Logit
     if kind == "suppress":
         return SuppressTokensLogitsProcessor(draw(token_lists(vocab_size, 4)))
     if kind == "suppress_at_begin":
-        return SuppressTokensAtBeginLogitsProcessor(draw(token_lists(vocab_size, 3)), num_prefix + draw(st.integers(0, 5)))
+        begin_index = num_prefix + draw(st.integers(0, 5))
+        return SuppressTokensAtBeginLogitsProcessor(draw(token_lists(vocab_size, 3)), begin_index)
     if kind == "repetition_penalty":
         ignore = draw(st.sampled_from(["none", "int", "tensor"]))
         length = {
             "none": None,
             "int": draw(st.integers(0, num_prefix + 2)),
-            "tensor": torch.tensor(draw(st.lists(st.integers(0, num_prefix + 2), min_size=batch_size, max_size=batch_size))),
+            "tensor": torch.tensor(draw(st.lists(st.integers(0, num_prefix + 2), min_size=batch_size,
+                                                max_size=batch_size))),
         }[ignore]
         return RepetitionPenaltyLogitsProcessor(draw(st.floats(0.3, 3.0)), prompt_ignore_length=length)
     if kind == "no_repeat_ngram":
@@ -194,7 +196,8 @@ class PenalizeLastToken(LogitsProcessor):
 
 def for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
     """``processor`` as target-only decoding of row ``row`` alone would hold it (per-row state sliced)."""
-    if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(processor.prompt_ignore_length, torch.Tensor):
+    if (isinstance(processor, RepetitionPenaltyLogitsProcessor)
+            and isinstance(processor.prompt_ignore_length, torch.Tensor)):
         return RepetitionPenaltyLogitsProcessor(processor.penalty, processor.prompt_ignore_length[row : row + 1])
     if isinstance(processor, PrefixConstrainedLogitsProcessor):
         function = processor._prefix_allowed_tokens_fn
@@ -213,7 +216,8 @@ def test_rows_of_different_lengths_equal_each_row_alone(data, block):
     """A ragged batch (rows that accepted different numbers of tokens): row b equals its own target-only chain."""
     sequence_ids, num_prefix, logits = block
     batch_size = sequence_ids.shape[0]
-    prefix_lengths = torch.tensor(data.draw(st.lists(st.integers(1, num_prefix), min_size=batch_size, max_size=batch_size)))
+    prefix_lengths = torch.tensor(data.draw(st.lists(st.integers(1, num_prefix), min_size=batch_size,
+                                                     max_size=batch_size)))
     chain = LogitsProcessorList(
         [data.draw(processors(logits.shape[-1], int(prefix_lengths.min()), batch_size)) for _ in range(2)]
         + [data.draw(st.sampled_from([PenalizeLastToken(), PrefixConstrainedLogitsProcessor(allowed_after, 1)]))]
@@ -223,7 +227,8 @@ def test_rows_of_different_lengths_equal_each_row_alone(data, block):
     ]
     try:
         expected = torch.cat([
-            reference_block(LogitsProcessorList([for_row(p, b) for p in chain]), rows[b], int(prefix_lengths[b]), logits[b : b + 1])
+            reference_block(LogitsProcessorList([for_row(p, b) for p in chain]), rows[b], int(prefix_lengths[b]),
+                            logits[b : b + 1])
             for b in range(batch_size)
         ])
     except ValueError:

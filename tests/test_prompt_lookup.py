@@ -17,7 +17,7 @@ from transformers import LogitsProcessorList
 
 import hf_spec.decoding
 from hf_spec import speculative
-from hf_spec.drafters import lookup_continuation
+from hf_spec.drafting.lookup import lookup_continuation
 
 # "3 2" recurs, so lookup proposes "1 3 2" from the first round; later rounds match the rows' own samples.
 LOOKUP_PROMPT = torch.tensor([[2, 1, 3, 2, 1, 3, 2]])

@@ -1,10 +1,10 @@
 """Quantized targets (bitsandbytes 8-bit, nf4, fp4): exact with respect to the quantized model's own p.
 
-bitsandbytes runs 4-bit layers on a CPU by one of two paths (`hf_spec.quantization`): with AVX512-BF16 it repacks the
-weights for a fused bf16 kernel ("packed"), on AVX2-only CPUs it dequantizes them at every call ("dequantizing").
-The tiny models here have every dimension a multiple of 64, so both paths take them, and whichever path this CPU
-uses runs every test below (the pytest header says which). `test_4bit_shape_limit_*` exercise the packed path's
-shape check on every CPU.
+bitsandbytes runs 4-bit layers on a CPU by one of two paths (`hf_spec.loading.quantization`): with AVX512-BF16 it
+repacks the weights for a fused bf16 kernel ("packed"), on AVX2-only CPUs it dequantizes them at every call
+("dequantizing"). The tiny models here have every dimension a multiple of 64, so both paths take them, and whichever
+path this CPU uses runs every test below (the pytest header says which). `test_4bit_shape_limit_*` exercise the packed
+path's shape check on every CPU.
 
 The laws are enumerated from the quantized target itself, so these tests check that nothing in the loop (block
 verification of 4-bit or int8 layers, cache roll-back, the draft's own precision) moves the output law away from
@@ -23,10 +23,10 @@ from test_batches import PAD, PROMPTS, left_padded
 from test_exactness import CASES, _resample_from_p, exact_law, sample_speculative
 
 import hf_spec.decoding
+import hf_spec.loading.quantization
 from hf_spec import speculative
 from hf_spec.cli import main
-import hf_spec.quantization
-from hf_spec.quantization import (
+from hf_spec.loading.quantization import (
     SCHEMES,
     check_quantizable,
     first_device,
@@ -169,7 +169,8 @@ def test_bad_scheme_is_refused_by_name():
 def test_config_of_each_scheme():
     assert quantization_config("8bit").load_in_8bit
     config = quantization_config("fp4", torch.bfloat16)
-    assert config.load_in_4bit and config.bnb_4bit_quant_type == "fp4" and config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "fp4"
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16
 
 
 def test_cli_generate_with_a_quantized_tiny_target(capsys):
@@ -200,11 +201,12 @@ def test_bench_runs_every_method_on_the_quantized_variants_too(tmp_path, capsys)
         own = rows["target_only" + ("@" + variant if variant else "")]
         assert rows[method]["identical_to_target_only"] == 1.0, method
         assert rows[method]["speedup_vs_own_target_only"] == pytest.approx(
-            rows[method]["tokens_per_s"] / own["tokens_per_s"])
+            rows[method]["tokens_per_second"] / own["tokens_per_second"])
         assert rows[method]["speedup_vs_target_only"] == pytest.approx(
-            rows[method]["tokens_per_s"] / rows["target_only"]["tokens_per_s"])
+            rows[method]["tokens_per_second"] / rows["target_only"]["tokens_per_second"])
     assert rows["hf_spec@nf4"]["predicted_speedup"] is not None
-    assert rows["hf_spec@nf4"]["weights_bytes"] == report["weights_bytes"]["target@nf4"] + report["weights_bytes"]["draft@nf4"]
+    weights = report["weights_bytes"]
+    assert rows["hf_spec@nf4"]["weights_bytes"] == weights["target@nf4"] + weights["draft@nf4"]
 
 
 def test_cli_distill_refuses_a_quantized_draft(tmp_path):
@@ -226,7 +228,7 @@ def _narrow_model():
 def test_4bit_shape_limit_of_the_packed_path_is_refused_by_layer_name(scheme, monkeypatch):
     """As on an AVX512-BF16 CPU (forced here, so every CPU class runs it): refused before anything is quantized,
     naming the first layer that does not fit and its size; the model is left as it was."""
-    monkeypatch.setattr(hf_spec.quantization, "packs_4bit_for_cpu", lambda: True)
+    monkeypatch.setattr(hf_spec.loading.quantization, "packs_4bit_for_cpu", lambda: True)
     model = _narrow_model()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\.self_attn\.q_proj' \(32 -> 32 features\).*"
@@ -239,9 +241,9 @@ def test_4bit_shape_limit_of_the_packed_path_is_refused_by_layer_name(scheme, mo
 
 
 def test_4bit_shape_limit_is_checked_from_the_config_before_loading(tmp_path, monkeypatch):
-    from hf_spec.pretrained import load
+    from hf_spec.loading.pretrained import load
 
-    monkeypatch.setattr(hf_spec.quantization, "packs_4bit_for_cpu", lambda: True)
+    monkeypatch.setattr(hf_spec.loading.quantization, "packs_4bit_for_cpu", lambda: True)
     _narrow_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"`quantize='nf4'`: bitsandbytes cannot run layer 'model\.layers\.0"):
         load(str(tmp_path), quantize="nf4")

@@ -146,7 +146,8 @@ def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
     at = num_accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])
     from_p = sample_from_weights(target_probs.gather(1, at).squeeze(1), generator)
     is_rejected = num_accepted < draft_ids.shape[1]
-    output_ids[is_rejected] = output_ids[is_rejected].scatter(1, num_accepted[is_rejected, None], from_p[is_rejected, None])
+    rejected_ids = output_ids[is_rejected]
+    output_ids[is_rejected] = rejected_ids.scatter(1, num_accepted[is_rejected, None], from_p[is_rejected, None])
     return output_ids, num_accepted
 
 
@@ -169,7 +170,8 @@ def test_speculative_stream_has_the_target_law(k):
 
 
 @pytest.mark.parametrize(
-    "broken", [_always_accept, _resample_from_p, _bonus_from_wrong_position, _q_from_wrong_row], ids=lambda f: f.__name__
+    "broken", [_always_accept, _resample_from_p, _bonus_from_wrong_position, _q_from_wrong_row],
+    ids=lambda f: f.__name__,
 )
 def test_negative_control_broken_sampler_is_caught(broken):
     p_chain, q_chain = _chains(seed=0)

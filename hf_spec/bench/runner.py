@@ -1,7 +1,8 @@
 """`hf-spec bench`: target-only decoding, transformers' assisted generation and hf_spec, side by side.
 
 All methods run in one process on the same weights, prompts and settings, interleaved prompt by prompt (their order
-rotates from one prompt to the next), after a warm-up call of each. Methods (`METHODS`; k is ``--num-assistant-tokens``):
+rotates from one prompt to the next), after a warm-up call of each. Methods (`METHODS`; k is
+``--num-assistant-tokens``, ``num_draft_tokens`` in Python):
 
 - ``target_only``: ``generate()`` without a draft;
 - ``transformers``: transformers' own ``generate(assistant_model=...)`` at its best: constant schedule, the same k,
@@ -38,44 +39,24 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from hf_spec.bench_report import Run, summarize, variant_suffix
-from hf_spec.measure import (
-    ForwardCounter,
-    PeakMemory,
-    count_new_tokens,
-    eos_token_ids,
-    forward_costs,
-    machine_info,
-    weight_bytes,
-)
+from hf_spec.bench.measure import ForwardCounter, PeakMemory, forward_costs, machine_info, weight_bytes
+from hf_spec.bench.report import Run, summarize, variant_suffix
+from hf_spec.checks import check_int
+from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
+from hf_spec.evaluation.continuations import count_new_tokens, eos_token_ids, seeded
+from hf_spec.loading.quantization import quantization_of
 from hf_spec.mixin import speculative, without_speculation
-from hf_spec.quantization import quantization_of
 
 METHODS = (
     "target_only", "transformers", "transformers_default", "transformers_heuristic", "transformers_lookup",
     "hf_spec", "hf_spec_auto", "hf_spec_lookup", "hf_spec_lookup_draft",
 )
 DEFAULT_METHODS = ("target_only", "transformers", "transformers_default", "hf_spec")
-WORKLOADS = ("code", "prose", "edit")
 SETTINGS = {
     "greedy": {"do_sample": False},
     "sampled": {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
 }
 _FIXED_K = re.compile(r"hf_spec_k([1-9][0-9]*)")
-
-PROSE_PROMPTS = (
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain to a curious ten-year-old why the sky is blue and sunsets are red.",
-    "Write a friendly letter to a neighbour inviting them to a garden party next Saturday.",
-    "Describe a busy morning market in a small coastal town, with its sounds and smells.",
-    "Summarise the main causes of the French Revolution in a few paragraphs.",
-    "Give advice to someone starting their first job about managing their time.",
-    "Write a product description for a handmade wooden chess set.",
-    "Tell the story of how tea spread from China to the rest of the world.",
-)
-
-EDIT_REQUEST = "Add type hints to this Python function. Reply with the complete rewritten function only.\n\n"
-
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
@@ -85,20 +66,21 @@ class MethodSpec:
     uses_draft: bool
     generate_kwargs: dict  # besides assistant_model
     assistant_settings: dict | None = None  # transformers reads these from the draft's generation_config
-    fixed_k: int | None = None  # drafts exactly k tokens a round with a draft model: the formula applies
+    fixed_num_draft_tokens: int | None = None  # drafts exactly k tokens a round with a draft model: the formula applies
 
 
-def method_spec(method: str, k: int) -> MethodSpec:
-    """The `MethodSpec` of a method name (see the module docstring)."""
+def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
+    """The `MethodSpec` of a method name (see the module docstring); ``num_draft_tokens`` is k."""
+    k = num_draft_tokens
     fixed = _FIXED_K.fullmatch(method)
     if fixed or method == "hf_spec":
         n = int(fixed.group(1)) if fixed else k
-        return MethodSpec(True, True, {"num_assistant_tokens": n}, fixed_k=n)
+        return MethodSpec(True, True, {"num_assistant_tokens": n}, fixed_num_draft_tokens=n)
     specs = {
         "target_only": MethodSpec(False, False, {}),
         "transformers": MethodSpec(False, True, {}, {
             "num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
-            "assistant_confidence_threshold": 0.0}, fixed_k=k),
+            "assistant_confidence_threshold": 0.0}, fixed_num_draft_tokens=k),
         "transformers_default": MethodSpec(False, True, {}, {
             "num_assistant_tokens": None, "num_assistant_tokens_schedule": None,
             "assistant_confidence_threshold": None}),
@@ -144,7 +126,8 @@ def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs
 def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, **where):
     """``(Run, new ids [new])`` of one timed call."""
     prompt_length = inputs["input_ids"].shape[1]
-    with ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls, PeakMemory(target.device) as memory:
+    with (ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls,
+          PeakMemory(target.device) as memory):
         started = time.perf_counter()
         sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs)
         seconds = time.perf_counter() - started
@@ -167,7 +150,7 @@ def run_benchmark(
     workloads: dict[str, list[dict[str, torch.Tensor]]],
     settings: dict[str, dict] | None = None,
     methods: tuple[str, ...] = DEFAULT_METHODS,
-    k: int = 5,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     max_new_tokens: int = 128,
     repeats: int = 1,
     seed: int = 0,
@@ -181,120 +164,118 @@ def run_benchmark(
         workloads: name -> batch-1 model inputs (``input_ids`` [1, S], ``attention_mask``) of each prompt.
         settings: name -> sampling kwargs of ``generate()`` (default: `SETTINGS`).
         methods: names from `METHODS` or ``hf_spec_k<N>``; must include ``target_only``.
+        num_draft_tokens: k of the methods that do not name their own.
         eos_ids: ids that end a generation (default: the target's ``generation_config.eos_token_id``).
         variants: label -> another target (same tokenizer) or ``(target, draft)`` pair, run by the methods named
             ``<method>@<label>``.
     """
     settings = SETTINGS if settings is None else settings
-    for name, value in (("k", k), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
-    if not methods or "target_only" not in methods:
-        raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
-    pairs = {"": (speculative(target), draft)}  # by variant suffix: "" for the first pair, "@<label>" for a variant
-    for label, variant in (variants or {}).items():
-        variant_target, variant_draft = variant if isinstance(variant, tuple) else (variant, draft)
-        pairs[f"@{label}"] = (speculative(variant_target), variant_draft)
-    specs, pair_of = {}, {}
-    for method in methods:
-        pair_of[method] = variant_suffix(method)
-        if pair_of[method] not in pairs:
-            raise ValueError(f"Method {method!r} runs on variant {pair_of[method][1:]!r}, but `variants` has "
-                             f"{sorted(variants or {})}.")
-        specs[method] = method_spec(method.partition("@")[0], k)
+    for name, value in (("num_draft_tokens", num_draft_tokens), ("max_new_tokens", max_new_tokens),
+                        ("repeats", repeats)):
+        check_int(name, value)
     for name, prompts in workloads.items():
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
-    target = pairs[""][0]
-    eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
-    pad = target.generation_config.pad_token_id
-    pad = min(eos_ids) if pad is None and eos_ids else pad
-    generate_kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad}
+    plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
 
     first = next(iter(workloads.values()))[0]
-    for method, spec in specs.items():  # warm-up
-        generate_once(spec, *pairs[pair_of[method]], first, {**generate_kwargs, "max_new_tokens": 4})
-    fixed_ks = {spec.fixed_k for spec in specs.values() if spec.fixed_k is not None} or {k}
-    costs = {name + suffix: forward_costs(*pairs[suffix], prompts[0]["input_ids"], fixed_ks)
-             for suffix in dict.fromkeys(pair_of.values()) for name, prompts in workloads.items()}
+    for method, spec in plan.specs.items():  # warm-up
+        generate_once(spec, *plan.pair(method), first, {**plan.generate_kwargs, "max_new_tokens": 4})
+    fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
+                if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
+    costs = {name + suffix: forward_costs(*plan.pairs[suffix], prompts[0]["input_ids"], fixed_ks)
+             for suffix in dict.fromkeys(plan.pair_of.values()) for name, prompts in workloads.items()}
+    runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress)
 
+    weights = {}
+    for suffix, (variant_target, variant_draft) in plan.pairs.items():
+        weights["target" + suffix] = weight_bytes(variant_target)
+        weights["draft" + suffix] = weight_bytes(variant_draft)
+    target, draft = plan.pairs[""]
+    return {
+        "machine": machine_info(),
+        "config": {
+            "num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "seed": seed, "methods": list(methods), "settings": settings,
+            "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "quantization": quantization_of(target),
+            "variants": {label: {"target": _describe(plan.pairs[f"@{label}"][0], target),
+                                 "draft": _describe(plan.pairs[f"@{label}"][1], draft)} for label in variants or {}},
+            "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in plan.specs.items()},
+        },
+        "weights_bytes": weights,
+        "costs": {name: {"target_step_seconds": c.target_step_seconds, "draft_step_seconds": c.draft_step_seconds,
+                         "target_block_seconds": c.target_block_seconds, "cost_ratio": c.cost_ratio,
+                         "block_cost_by_k": {kk: c.block_cost(kk) for kk in sorted(fixed_ks)}}
+                  for name, c in costs.items()},
+        "results": summarize(runs, list(methods), costs,
+                             {m: s.fixed_num_draft_tokens for m, s in plan.specs.items()}, weights),
+        "runs": [dataclasses.asdict(run) for run in runs],
+    }
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Which (target, draft) pair each method runs on, how it calls ``generate()``, and the shared kwargs."""
+
+    pairs: dict[str, tuple[PreTrainedModel, PreTrainedModel]]  # variant suffix ("" or "@<label>") -> pair
+    specs: dict[str, MethodSpec]  # method -> how it calls generate()
+    pair_of: dict[str, str]  # method -> variant suffix
+    generate_kwargs: dict
+    eos_ids: set[int]
+
+    @classmethod
+    def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids) -> _Plan:
+        if not methods or "target_only" not in methods:
+            raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
+        pairs = {"": (speculative(target), draft)}
+        for label, variant in variants.items():
+            variant_target, variant_draft = variant if isinstance(variant, tuple) else (variant, draft)
+            pairs[f"@{label}"] = (speculative(variant_target), variant_draft)
+        specs, pair_of = {}, {}
+        for method in methods:
+            pair_of[method] = variant_suffix(method)
+            if pair_of[method] not in pairs:
+                raise ValueError(f"Method {method!r} runs on variant {pair_of[method][1:]!r}, but `variants` has "
+                                 f"{sorted(variants)}.")
+            specs[method] = method_spec(method.partition("@")[0], num_draft_tokens)
+        eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
+        pad = target.generation_config.pad_token_id
+        pad = min(eos_ids) if pad is None and eos_ids else pad
+        return cls(pairs, specs, pair_of, {"max_new_tokens": max_new_tokens, "pad_token_id": pad}, eos_ids)
+
+    def pair(self, method: str) -> tuple[PreTrainedModel, PreTrainedModel]:
+        return self.pairs[self.pair_of[method]]
+
+
+def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int, seed: int,
+                      progress: bool) -> list[Run]:
+    """Every method on every (workload, setting, prompt, repeat), the methods' order rotating from one to the next;
+    greedy outputs compared with target-only decoding of the same target."""
+    methods = tuple(plan.specs)
+    device = plan.pairs[""][0].device
     jobs = [(w, s, p, r) for w in workloads for s in settings for p in range(len(workloads[w])) for r in range(repeats)]
     runs: list[Run] = []
     bar = tqdm(total=len(jobs) * len(methods), desc="hf-spec bench", unit="call", disable=not progress)
     for index, (workload, setting, prompt, repeat) in enumerate(jobs):
-        inputs = workloads[workload][prompt]
         order = methods[index % len(methods):] + methods[:index % len(methods)]  # rotate who goes first
         new_ids = {}
         for method in order:
-            with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
-                torch.manual_seed(seed + index)  # the same seed for every method; the caller's state is untouched
-                run, new_ids[method] = run_one(method, specs[method], *pairs[pair_of[method]], inputs,
-                                               {**generate_kwargs, **settings[setting]}, eos_ids, workload=workload,
-                                               setting=setting, prompt=prompt, repeat=repeat)
+            with seeded(seed + index, device):  # the same seed for every method
+                run, new_ids[method] = run_one(method, plan.specs[method], *plan.pair(method),
+                                               workloads[workload][prompt],
+                                               {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
+                                               workload=workload, setting=setting, prompt=prompt, repeat=repeat)
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")
         if not settings[setting].get("do_sample"):
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
-                reference = new_ids.get("target_only" + pair_of[run.method], new_ids["target_only"])
+                reference = new_ids.get("target_only" + plan.pair_of[run.method], new_ids["target_only"])
                 run.identical_to_target_only = bool(torch.equal(new_ids[run.method], reference))
     bar.close()
-
-    weights = {}
-    for suffix, (variant_target, variant_draft) in pairs.items():
-        weights["target" + suffix] = weight_bytes(variant_target)
-        weights["draft" + suffix] = weight_bytes(variant_draft)
-    return {
-        "machine": machine_info(),
-        "config": {
-            "k": k, "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "methods": list(methods),
-            "settings": settings, "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
-            "dtype": str(target.dtype).removeprefix("torch."),
-            "quantization": quantization_of(target),
-            "variants": {label: {"target": _describe(pairs[f"@{label}"][0], target),
-                                 "draft": _describe(pairs[f"@{label}"][1], draft)} for label in variants or {}},
-            "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in specs.items()},
-        },
-        "weights_bytes": weights,
-        "costs": {name: {"target_step_s": c.target_step_s, "draft_step_s": c.draft_step_s,
-                         "target_block_s": c.target_block_s, "cost_ratio": c.cost_ratio,
-                         "block_cost_by_k": {kk: c.block_cost(kk) for kk in sorted(fixed_ks)}}
-                  for name, c in costs.items()},
-        "results": summarize(runs, list(methods), costs, {m: s.fixed_k for m, s in specs.items()}, weights),
-        "runs": [dataclasses.asdict(run) for run in runs],
-    }
-
-
-def text_workloads(tokenizer, names: tuple[str, ...], num_prompts: int,
-                   offset: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """``code``: HumanEval prompts, to complete as plain text; ``prose``: `PROSE_PROMPTS`; ``edit``: add type hints to
-    HumanEval solutions. ``num_prompts`` of each from ``offset`` on (hold out what a draft was trained on). Requests
-    are chat messages (plain text without a chat template)."""
-    from hf_spec.pretrained import humaneval_problems
-
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"`offset` must be an integer >= 0, but is {offset!r}.")
-    for name in names:
-        available = {"prose": len(PROSE_PROMPTS)}.get(name) or (len(humaneval_problems()) if name in WORKLOADS else 0)
-        if name in WORKLOADS and offset + num_prompts > available:
-            raise ValueError(f"The {name} workload has {available} prompts; `offset` + `num_prompts` is "
-                             f"{offset + num_prompts}.")
-    selected = slice(offset, offset + num_prompts)
-    workloads = {}
-    for name in names:
-        if name == "code":
-            texts = [problem["prompt"] for problem in humaneval_problems()[selected]]
-        elif name == "prose":
-            texts = [_as_chat(tokenizer, text) for text in PROSE_PROMPTS[selected]]
-        elif name == "edit":
-            texts = [
-                _as_chat(tokenizer, f"{EDIT_REQUEST}```python\n{problem['prompt']}{problem['canonical_solution']}```")
-                for problem in humaneval_problems()[selected]
-            ]
-        else:
-            raise ValueError(f"Unknown workload {name!r}; choose from {WORKLOADS}.")
-        workloads[name] = [dict(tokenizer(text, return_tensors="pt", add_special_tokens=False)) for text in texts]
-    return workloads
+    return runs
 
 
 def _describe(model: PreTrainedModel, base: PreTrainedModel) -> str:
@@ -302,22 +283,3 @@ def _describe(model: PreTrainedModel, base: PreTrainedModel) -> str:
     if model is base:
         return "same"
     return quantization_of(model) or f"{model.name_or_path} ({str(model.dtype).removeprefix('torch.')})"
-
-
-def random_workloads(names: tuple[str, ...], num_prompts: int, vocab_size: int, seed: int = 0) -> dict:
-    """Random-id prompts (lengths 4 to 11) under each workload name, for models without a tokenizer."""
-    generator = torch.Generator().manual_seed(seed)
-    workloads = {}
-    for name in names:
-        lengths = torch.randint(4, 12, (num_prompts,), generator=generator).tolist()
-        workloads[name] = [{"input_ids": torch.randint(1, vocab_size, (1, n), generator=generator),
-                            "attention_mask": torch.ones(1, n, dtype=torch.long)} for n in lengths]
-    return workloads
-
-
-
-
-def _as_chat(tokenizer, text: str) -> str:
-    if not tokenizer.chat_template:
-        return text
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)

@@ -1,8 +1,9 @@
-"""How many tokens to draft each round: the k that maximizes expected emitted tokens per second.
+"""How many tokens to draft each round: a fixed k, or the k that maximizes expected emitted tokens per second.
 
-A round that drafts k tokens emits E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1} in expectation
-(`hf_spec.speedup`) and costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the
-call, and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1))`` before every round:
+`FixedDraftLength` drafts the same k every round (fewer near ``max_length``). `AutoDraftLength`: a round that drafts k
+tokens emits E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1} in expectation (`hf_spec.drafting.speedup`) and
+costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the call,
+and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1))`` before every round:
 
 - acceptance per block position: counts with exponential forgetting (so it follows the text as it changes between
   code and prose), shrunk towards the pooled rate of all positions, which is shrunk towards a prior;
@@ -23,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from hf_spec.speedup import expected_tokens
+from hf_spec.checks import check_int
+from hf_spec.drafting.speedup import predicted_speedup
 
-#: Drafted tokens per round at most, unless the caller says otherwise.
+#: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
+DEFAULT_NUM_DRAFT_TOKENS = 5
+#: Drafted tokens per round at most with ``num_assistant_tokens="auto"``, unless the caller says otherwise.
 DEFAULT_MAX_DRAFT_TOKENS = 10
 
 
@@ -37,9 +41,25 @@ def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_
         draft_step_seconds: one draft forward pass (0 for a model-free drafter).
         block_seconds: ``block_seconds[k]``: a target pass over ``k + 1`` tokens.
     """
-    rates = [expected_tokens(acceptance, k) / (k * draft_step_seconds + block_seconds[k])
-             for k in range(len(block_seconds))]
+    # The speed-up formula with costs in seconds instead of target steps: expected tokens per second.
+    rates = [predicted_speedup(acceptance, k, draft_step_seconds, block_seconds[k]) for k in range(len(block_seconds))]
     return max(range(len(rates)), key=rates.__getitem__)
+
+
+class FixedDraftLength:
+    """The same k every round, fewer when fewer tokens are left before ``max_length``."""
+
+    is_timed = False  # nothing to learn from timings
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = check_int("num_assistant_tokens", num_draft_tokens)
+
+    def choose(self, limit: int) -> int:
+        return min(self.num_draft_tokens, limit)
+
+    def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
+               verify_seconds: float | None) -> None:
+        """Nothing to learn."""
 
 
 @dataclasses.dataclass
@@ -69,12 +89,13 @@ class AutoDraftLength:
         explore_every: after this many rounds at k = 0, draft one token once.
     """
 
+    is_timed = True  # learns from the round's timings
+
     def __init__(self, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, initial: int = 4,
                  prior_acceptance: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97, explore_every: int = 8):
-        for name, value, low in (("max_draft_tokens", max_draft_tokens, 1), ("initial", initial, 0),
-                                 ("explore_every", explore_every, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}, but is {value!r}.")
+        check_int("max_draft_tokens", max_draft_tokens)
+        check_int("initial", initial, minimum=0)
+        check_int("explore_every", explore_every)
         if not 0.0 < prior_acceptance < 1.0 or prior_weight <= 0:
             raise ValueError(f"`prior_acceptance` must be in (0, 1) and `prior_weight` > 0, but are "
                              f"{prior_acceptance!r} and {prior_weight!r}.")

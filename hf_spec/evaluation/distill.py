@@ -1,10 +1,10 @@
 """Fine-tune a draft toward its target with transformers' `Trainer`: forward KL or total variation, per position.
 
-The acceptance rate at a prefix is 1 - TV(p, q) (`hf_spec.acceptance`), so training the draft's q toward the target's
-p on the prefixes decoding will meet raises it directly. Each training sequence is a prompt and a continuation (the
-target's own, generated once and cached as a `datasets.Dataset`, `continuation_dataset`) or plain text
-(`text_dataset`); the loss is taken at every position whose next token belongs to the continuation (every position
-for plain text), between p = softmax(target_logits / T) and q = softmax(draft_logits / T) at the decoding
+The acceptance rate at a prefix is 1 - TV(p, q) (`hf_spec.evaluation.draft_fit`), so training the draft's q toward the
+target's p on the prefixes decoding will meet raises it directly. Each training sequence is a prompt and a
+continuation (the target's own, generated once and cached as a `datasets.Dataset`, `continuation_dataset`) or plain
+text (`text_dataset`); the loss is taken at every position whose next token belongs to the continuation (every
+position for plain text), between p = softmax(target_logits / T) and q = softmax(draft_logits / T) at the decoding
 temperature T:
 
 - ``"kl"``: forward KL(p || q) = sum p (log p - log q), smooth, the usual distillation loss;
@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from hf_spec.checks import check_int
+from hf_spec.evaluation.continuations import target_continuations
 
 LOSSES = ("kl", "tv")
 
@@ -89,8 +92,7 @@ def text_dataset(tokenizer, texts: Sequence[str], max_length: int = 256):
     """Plain text as training sequences (chunks of ``max_length`` tokens); every position is trained."""
     import datasets
 
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(f"`max_length` must be an integer >= 2, but is {max_length!r}.")
+    check_int("max_length", max_length, minimum=2)
 
     rows = {"input_ids": [], "attention_mask": [], "loss_mask": []}
     for text in texts:
@@ -113,8 +115,6 @@ def continuation_dataset(target: PreTrainedModel, prompts: Sequence[torch.Tensor
     """Each prompt followed by the target's own continuation, generated once (cached under ``cache_dir``, keyed by
     the target, the prompts and the settings); the positions predicting the continuation are trained."""
     import datasets
-
-    from hf_spec.acceptance import target_continuations
 
     if not prompts:
         raise ValueError("`prompts` is empty: nothing to continue.")
@@ -145,7 +145,8 @@ def select_trainable(draft: PreTrainedModel, train_last_layers: int | None) -> i
     if train_last_layers is not None:
         layers = draft.model.layers if hasattr(draft, "model") and hasattr(draft.model, "layers") else None
         if layers is None:
-            raise ValueError(f"`train_last_layers` needs a model with `.model.layers`; {type(draft).__name__} has none.")
+            raise ValueError(f"`train_last_layers` needs a model with `.model.layers`; {type(draft).__name__} has "
+                             "none.")
         if not 1 <= train_last_layers <= len(layers):
             raise ValueError(f"`train_last_layers` must be in 1..{len(layers)}, but is {train_last_layers!r}.")
         draft.requires_grad_(False)
@@ -162,8 +163,7 @@ def with_lora(draft: PreTrainedModel, rank: int):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ImportError("`lora_rank` needs `peft`: pip install peft") from None
-    if rank < 1:
-        raise ValueError(f"`lora_rank` must be a positive integer, but is {rank!r}.")
+    check_int("lora_rank", rank)
     return get_peft_model(draft, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                             task_type="CAUSAL_LM"))
 

@@ -1,8 +1,7 @@
-"""Measuring a generate() call: forward-pass costs, forward-pass counts, peak memory, and the machine."""
+"""Measuring a generate() call: forward-pass costs, forward-pass counts, peak memory, weights, and the machine."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -16,24 +15,25 @@ import transformers
 from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
+from hf_spec.loading.cpu import cpu_class, cpu_flags
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardCosts:
     """Median seconds of a target step, of target blocks of several widths, and of a draft step, after one prompt."""
 
-    target_step_s: float
-    draft_step_s: float
-    target_block_s: dict[int, float]  # width (k + 1) -> seconds
+    target_step_seconds: float
+    draft_step_seconds: float
+    target_block_seconds: dict[int, float]  # width (k + 1) -> seconds
 
     @property
     def cost_ratio(self) -> float:
         """c: draft step / target step."""
-        return self.draft_step_s / self.target_step_s
+        return self.draft_step_seconds / self.target_step_seconds
 
     def block_cost(self, k: int) -> float:
         """b: a target pass over k + 1 tokens / a target step."""
-        return self.target_block_s[k + 1] / self.target_step_s
+        return self.target_block_seconds[k + 1] / self.target_step_seconds
 
 
 @torch.no_grad()
@@ -53,7 +53,8 @@ def forward_seconds(model: PreTrainedModel, input_ids: torch.Tensor, widths: lis
     return {width: float(np.median(values)) for width, values in seconds.items()}
 
 
-def forward_costs(target: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor, ks: set[int]) -> ForwardCosts:
+def forward_costs(target: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
+                  ks: set[int]) -> ForwardCosts:
     """Costs for drafting each k in ``ks`` after the prompt ``input_ids`` ``[1, S]``."""
     target_seconds = forward_seconds(target, input_ids, sorted({1} | {k + 1 for k in ks}))
     draft_seconds = forward_seconds(draft, input_ids.to(draft.device), [1])
@@ -120,43 +121,8 @@ class PeakMemory:
             self.peak_bytes = max(self._peak, _resident_bytes() or 0) - self._base
 
 
-def eos_token_ids(model: PreTrainedModel) -> set[int]:
-    """The ids that end ``model``'s generations (its ``generation_config.eos_token_id``)."""
-    eos = model.generation_config.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
-
-
-def count_new_tokens(new_ids: torch.Tensor, eos_ids: set[int]) -> int:
-    """Tokens of ``new_ids`` ``[m]`` up to and including the first EOS (all of them without one)."""
-    new = new_ids.tolist()
-    return next((i + 1 for i, token in enumerate(new) if token in eos_ids), len(new))
-
-
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def cpu_flags() -> tuple[str, set[str]]:
-    """``(model name, instruction-set flags)`` of this machine's CPU, from ``/proc/cpuinfo`` (empty elsewhere)."""
-    flags, cpu = set(), platform.processor()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    return cpu, flags
-
-
-def cpu_class(flags: set[str]) -> str:
-    """The class that decides CPU speed regimes here: ``"AMX"`` (``amx_bf16``), ``"AVX512-BF16"``, ``"AVX512"``,
-    ``"AVX2"`` or ``"other"``. With native bf16 (the first two) a multi-token bf16 block costs about one decode step;
-    without it, several."""
-    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
-        if flag in flags:
-            return name
-    return "other"
 
 
 def machine_info() -> dict:

@@ -8,10 +8,11 @@ the rejection rule accepts the draft's token with probability
 and greedy decoding accepts it when argmax p = argmax q. `evaluate_draft` computes this at every position of given
 continuations (the target's own, from `target_continuations`, or any text), then the expected tokens per target pass
 for each k (from the acceptance along each continuation: 1 + a_t + a_t a_{t+1} + ..., averaged over start positions
-t) and, given a cost ratio, the predicted speed-up (`hf_spec.speedup`). `measure_draft` runs real speculative
-generation and reports what happened, for comparison.
+t) and, given a cost ratio, the predicted speed-up (`hf_spec.drafting.speedup`). `measure_draft` runs real
+speculative generation and reports what happened, for comparison.
 
-What it does not do: train (`hf_spec.distill`), or account for processors that keep state between calls.
+What it does not do: train (`hf_spec.evaluation.distill`), or account for processors that keep state between
+calls.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel
 
-from hf_spec.drafters import align_vocab
-from hf_spec.measure import count_new_tokens, eos_token_ids
+from hf_spec.compat import decoding_chain
+from hf_spec.drafting import align_vocab
+from hf_spec.drafting.speedup import round_cost
+from hf_spec.evaluation.continuations import with_greedy_default
 from hf_spec.mixin import speculative
+from hf_spec.stats import SpeculativeStats
 from logits_processors import process_block
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 10)
@@ -69,21 +73,10 @@ class AcceptanceReport:
     acceptance_rate: float  # mean over positions of 1 - TV(p, q) (greedy: of argmax agreement)
     num_positions: int
     acceptance_by_sequence: list[float]
-    acceptance_by_position: list[list[float]]  # per sequence, per continuation position: 1 - TV (greedy: 0 or 1)
+    acceptance_along_text: list[list[float]]  # per sequence, per continuation token: 1 - TV (greedy: 0 or 1)
     expected_tokens_per_pass: dict[int, float]  # k -> E[tokens per target pass]
     predicted_speedup: dict[int, float] | None  # k -> E[tokens] / (k c + b), when a cost ratio is given
     settings: dict
-
-
-def decoding_chain(model: PreTrainedModel, settings: dict, prompt_ids: torch.Tensor,
-                   logits_processor: LogitsProcessorList | None = None) -> LogitsProcessorList:
-    """The processor chain ``model.generate(prompt_ids, **settings)`` would build (transformers' own code)."""
-    generation_config, _ = model._prepare_generation_config(None, **settings)
-    model._prepare_special_tokens(generation_config, True, device=prompt_ids.device)
-    return model._get_logits_processor(
-        generation_config=generation_config, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
-        logits_processor=logits_processor or LogitsProcessorList(), device=prompt_ids.device, model_kwargs={},
-    )
 
 
 @torch.no_grad()
@@ -126,7 +119,7 @@ def evaluate_draft(
         cost_ratio: draft step / target step; with it, ``predicted_speedup`` per k (``block_cost``: a (k+1)-token
             target pass / a step).
     """
-    settings = {"do_sample": False, **(settings or {})}
+    settings = with_greedy_default(settings)
     if len(prompts) != len(continuations):
         raise ValueError(f"`prompts` ({len(prompts)}) and `continuations` ({len(continuations)}) must pair up.")
     if not prompts:
@@ -153,65 +146,57 @@ def evaluate_draft(
         acceptance_rate=float(positions.mean()),
         num_positions=positions.shape[0],
         acceptance_by_sequence=[float(a.mean()) for a in per_sequence],
-        acceptance_by_position=[a.tolist() for a in per_sequence],
+        acceptance_along_text=[a.tolist() for a in per_sequence],
         expected_tokens_per_pass=expected,
         predicted_speedup=None if cost_ratio is None else {
-            k: expected[k] / (k * cost_ratio + block_cost) for k in ks
+            k: expected[k] / round_cost(k, cost_ratio, block_cost) for k in ks
         },
         settings=settings,
     )
 
 
-@torch.no_grad()
-def target_continuations(target: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                         settings: dict | None = None, seed: int = 0, progress: bool = True) -> list[torch.Tensor]:
-    """``[1, m_i]`` per prompt: what target-only ``generate`` continues it with (up to EOS, included)."""
-    settings = {"do_sample": False, **(settings or {})}
-    eos_ids = eos_token_ids(target)
-    continuations = []
-    devices = [target.device] if target.device.type == "cuda" else []
-    for index, prompt in enumerate(tqdm(prompts, desc="target continuations", unit="text", disable=not progress)):
-        with torch.random.fork_rng(devices=devices):  # seeded, without touching the caller's random state
-            torch.manual_seed(seed + index)
-            new = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, **settings)
-        new = new[:, prompt.shape[1]:]
-        continuations.append(new[:, : count_new_tokens(new[0], eos_ids)])
-    return continuations
+@dataclasses.dataclass
+class MeasuredDraft:
+    """What `measure_draft` saw: the calls' statistics added up (`SpeculativeStats.combine`)."""
+
+    stats: SpeculativeStats
+    num_draft_tokens: int
+    settings: dict
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.stats.acceptance_rate
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Per block position j: the share of rounds drafting a token there in which it was accepted (and all before
+        it)."""
+        return self.stats.acceptance_by_position
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.stats.tokens_per_round
+
+    def to_dict(self) -> dict:
+        return {"num_draft_tokens": self.num_draft_tokens, "settings": self.settings, "stats": self.stats.to_dict()}
 
 
-def measure_draft(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequence[torch.Tensor], k: int,
-                  max_new_tokens: int, settings: dict | None = None, seed: int = 0, progress: bool = True) -> dict:
-    """Run speculative generation on each prompt and report what happened (`hf_spec.stats` totals)."""
-    settings = {"do_sample": False, **(settings or {})}
+def measure_draft(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequence[torch.Tensor],
+                  num_draft_tokens: int, max_new_tokens: int, settings: dict | None = None, seed: int = 0,
+                  progress: bool = True) -> MeasuredDraft:
+    """Run speculative generation on each prompt (prompt i with a generator seeded ``seed + i``) and add up what
+    happened."""
+    settings = with_greedy_default(settings)
     target = speculative(target)
-    totals = {"num_rounds": 0, "num_draft_tokens": 0, "num_accepted": 0, "num_emitted": 0,
-              "accepted_at_position_0": 0, "rounds_with_a_draft": 0}
-    accepted_by_position, proposed_by_position = [0] * k, [0] * k  # by position in the drafted block
+    calls = []
     for index, prompt in enumerate(tqdm(prompts, desc="speculative runs", unit="text", disable=not progress)):
         output = target.generate(
-            prompt.to(target.device), assistant_model=draft, num_assistant_tokens=k, max_new_tokens=max_new_tokens,
-            generator=torch.Generator(target.device).manual_seed(seed + index), return_dict_in_generate=True,
-            **settings,
+            prompt.to(target.device), assistant_model=draft, num_assistant_tokens=num_draft_tokens,
+            max_new_tokens=max_new_tokens, generator=torch.Generator(target.device).manual_seed(seed + index),
+            return_dict_in_generate=True, **settings,
         )
-        stats = output.speculative_stats
-        for name in ("num_rounds", "num_draft_tokens", "num_accepted", "num_emitted"):
-            totals[name] += getattr(stats, name)
-        if stats.proposed_by_position:
-            totals["accepted_at_position_0"] += stats.accepted_by_position[0]
-            totals["rounds_with_a_draft"] += stats.proposed_by_position[0]
-        for j, (accepted, proposed) in enumerate(zip(stats.accepted_by_position, stats.proposed_by_position)):
-            accepted_by_position[j] += accepted
-            proposed_by_position[j] += proposed
-    return {
-        **totals, "k": k, "settings": settings,
-        "acceptance_rate": totals["num_accepted"] / max(1, totals["num_draft_tokens"]),
-        "acceptance_at_position_0": totals["accepted_at_position_0"] / max(1, totals["rounds_with_a_draft"]),
-        # the share of rounds drafting a token at block position j in which it was accepted (and all before it)
-        "acceptance_by_block_position": [a / p if p else None for a, p in zip(accepted_by_position,
-                                                                            proposed_by_position)],
-        "tokens_per_target_pass": totals["num_emitted"] / max(1, totals["num_rounds"]),
-    }
-
+        calls.append(output.speculative_stats)
+    return MeasuredDraft(SpeculativeStats.combine(calls), num_draft_tokens, settings)
 
 
 #: Local path of the `evaluate` metric module: ``evaluate.load(METRIC_PATH)``.

@@ -1,7 +1,7 @@
 """`evaluate` metric: expected speculative-decoding acceptance from target and draft next-token distributions.
 
     >>> import evaluate
-    >>> from hf_spec.acceptance import METRIC_PATH
+    >>> from hf_spec.evaluation.draft_fit import METRIC_PATH
     >>> metric = evaluate.load(METRIC_PATH)  # a local path: no Hub
     >>> metric.compute(target_probs=[[0.5, 0.5]], draft_probs=[[0.9, 0.1]], ks=[1, 4], cost_ratio=0.1)
     {'acceptance_rate': 0.6, 'total_variation': 0.4, 'expected_tokens_per_pass': {1: 1.6, 4: ...}, ...}
@@ -9,16 +9,16 @@
 Each example is one position: the target's processed law p and the draft's q over the same vocabulary. The
 acceptance rate is the mean of sum_x min(p(x), q(x)) = 1 - TV(p, q) (with ``greedy=True``: the share of positions
 where argmax p = argmax q); the expected tokens per target pass for each k and the predicted speed-up for a draft /
-target cost ratio follow from it (`hf_spec.speedup`, positions treated as independent). To compute p and q from
-models and text, use `hf_spec.acceptance.evaluate_draft`, which this metric's numbers agree with.
+target cost ratio follow from it (`hf_spec.drafting.speedup`, positions treated as independent). To compute p and q from
+models and text, use `hf_spec.evaluation.draft_fit.evaluate_draft`, which this metric's numbers agree with.
 """
 
 import datasets
 import evaluate
 import torch
 
-from hf_spec.acceptance import acceptance_probability, greedy_acceptance, total_variation
-from hf_spec.speedup import expected_tokens, predicted_speedup
+from hf_spec.drafting.speedup import expected_tokens, predicted_speedup
+from hf_spec.evaluation.draft_fit import acceptance_probability, greedy_acceptance, total_variation
 
 _CITATION = """\
 @inproceedings{leviathan2023fast,

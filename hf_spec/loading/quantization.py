@@ -10,9 +10,10 @@ full-precision model is the quantization's business, not ours (tested in ``tests
     draft = AutoModelForCausalLM.from_pretrained(draft_path).to(first_device(target))
     speculative(target).generate(**inputs, assistant_model=draft, do_sample=True)
 
-``hf_spec.pretrained.load(name, quantize="nf4")`` does the same for built-in names, and ``hf-spec ... --quantize``
-on the command line. With ``device_map="auto"`` accelerate spreads the target over the visible devices (on a machine
-with only a CPU, all of it goes there); its logits come back on its first device, where the draft must live.
+``hf_spec.loading.pretrained.load(name, quantize="nf4")`` does the same for built-in names, and ``hf-spec ...
+--quantize`` on the command line. With ``device_map="auto"`` accelerate spreads the target over the visible devices
+(on a machine with only a CPU, all of it goes there); its logits come back on its first device, where the draft must
+live.
 
 Which CPU matters for 4-bit layers. bitsandbytes has two CPU paths:
 
@@ -34,6 +35,8 @@ import tempfile
 
 import torch
 from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
+
+from hf_spec.compat import modules_kept_in_full_precision
 
 #: ``8bit``: LLM.int8 weights; ``nf4`` / ``fp4``: 4-bit weights of that data type (blocks of 64, fp32 scales).
 SCHEMES = ("8bit", "nf4", "fp4")
@@ -110,8 +113,6 @@ def check_quantizable(model: PreTrainedModel | PretrainedConfig, scheme: str, de
         return
     if isinstance(model, PretrainedConfig):
         model = _empty_model(model)
-    from hf_spec.compat import modules_kept_in_full_precision
-
     skipped = set(modules_kept_in_full_precision(model))
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name in skipped:

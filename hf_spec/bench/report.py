@@ -1,8 +1,9 @@
 """The report of `hf-spec bench`: one row per (workload, setting, method), the formula's prediction, a Markdown
 table and a plot.
 
-The speed-up predicted by the formula (`hf_spec.speedup`) uses the per-token acceptance ``alpha`` that explains the
-measured tokens per target pass, and the draft/target cost ratio ``c`` of single-token steps measured before the runs::
+The speed-up predicted by the formula (`hf_spec.drafting.speedup`) uses the per-token acceptance ``alpha`` that
+explains the measured tokens per target pass, and the draft/target cost ratio ``c`` of single-token steps measured
+before the runs::
 
     predicted = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c))
 
@@ -17,8 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from hf_spec.measure import ForwardCosts
-from hf_spec.speedup import acceptance_from_tokens_per_pass, predicted_speedup
+from hf_spec.bench.measure import ForwardCosts
+from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 
 #: Every workload together, per setting: a mixed workload.
 ALL_WORKLOADS = "all"
@@ -73,11 +74,11 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         identical = [run.identical_to_target_only for run in group if run.identical_to_target_only is not None]
         rows.append({
             "workload": workload, "setting": setting, "method": method, "calls": len(group),
-            "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "new_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "acceptance_rate": sum(run.accepted or 0 for run in group) / proposed if proposed else None,
             "tokens_per_target_pass": tokens / max(1, sum(run.target_passes for run in group)),
-            "latency_p50_s": float(np.percentile(latencies, 50)),
-            "latency_p90_s": float(np.percentile(latencies, 90)),
+            "latency_p50_seconds": float(np.percentile(latencies, 50)),
+            "latency_p90_seconds": float(np.percentile(latencies, 90)),
             "weights_bytes": weights["target" + variant] + (
                 weights["draft" + variant] if any(run.draft_passes for run in group) else 0),
             "working_memory_bytes": max(memory) if memory else None,
@@ -88,13 +89,14 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
     by_key = {(row["workload"], row["setting"], row["method"]): row for row in rows}
     for row in rows:
         key = (row["workload"], row["setting"])
-        baseline = by_key[(*key, "target_only")]["tokens_per_s"]
-        row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline
+        baseline = by_key[(*key, "target_only")]["tokens_per_second"]
+        row["speedup_vs_target_only"] = row["tokens_per_second"] / baseline
         transformers_row = by_key.get((*key, "transformers"))
-        row["speedup_vs_transformers"] = row["tokens_per_s"] / transformers_row["tokens_per_s"] if transformers_row else None
+        row["speedup_vs_transformers"] = (row["tokens_per_second"] / transformers_row["tokens_per_second"]
+                                          if transformers_row else None)
         variant = variant_suffix(row["method"])
         own = by_key.get((*key, "target_only" + variant)) or by_key[(*key, "target_only")]
-        row["speedup_vs_own_target_only"] = row["tokens_per_s"] / own["tokens_per_s"]
+        row["speedup_vs_own_target_only"] = row["tokens_per_second"] / own["tokens_per_second"]
         row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
     return rows
 
@@ -139,16 +141,17 @@ def format_table(report: dict) -> str:
     for row in report["results"]:
         own = f"| {number(row['speedup_vs_own_target_only'], '.2f', 'x')} " if has_variants else ""
         lines.append(
-            f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_s']:.2f} "
+            f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_second']:.2f} "
             f"| {row['speedup_vs_target_only']:.2f}x {own}| {number(row['speedup_vs_transformers'], '.2f', 'x')} "
             f"| {number(row['acceptance_rate'], '.2f')} | {row['tokens_per_target_pass']:.2f} "
             f"| {number(row['predicted_speedup'], '.2f')} | {number(row['predicted_speedup_block_cost'], '.2f')} "
-            f"| {number(row['share_of_predicted_block_cost'], '.0%')} | {row['latency_p50_s']:.1f} "
-            f"| {row['latency_p90_s']:.1f} | {row['peak_memory_bytes'] / 2**20:.0f} "
+            f"| {number(row['share_of_predicted_block_cost'], '.0%')} | {row['latency_p50_seconds']:.1f} "
+            f"| {row['latency_p90_seconds']:.1f} | {row['peak_memory_bytes'] / 2**20:.0f} "
             f"| {number(row['identical_to_target_only'], '.0%')} |"
         )
     costs = "; ".join(
-        f"{name}: c = {c['cost_ratio']:.2f}, " + ", ".join(f"b(k={k}) = {b:.2f}" for k, b in c["block_cost_by_k"].items())
+        f"{name}: c = {c['cost_ratio']:.2f}, "
+        + ", ".join(f"b(k={k}) = {b:.2f}" for k, b in c["block_cost_by_k"].items())
         for name, c in report["costs"].items()
     )
     return "\n".join(lines) + f"\n\nMeasured cost ratios: {costs}.\nMachine: {report['machine']}"
@@ -184,7 +187,8 @@ def plot(report: dict, path: str) -> None:
     speed.axhline(1.0, color="grey", linewidth=1)
     speed.legend(fontsize=8)
     machine = report["machine"]
-    figure.suptitle(f"k={report['config']['k']}, {report['config']['dtype']}, {machine['threads']} threads, "
+    config = report["config"]
+    figure.suptitle(f"k={config['num_draft_tokens']}, {config['dtype']}, {machine['threads']} threads, "
                     f"{machine['cuda'] or machine['cpu']}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

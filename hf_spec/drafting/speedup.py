@@ -23,9 +23,14 @@ def expected_tokens(acceptance: float | Sequence[float], k: int) -> float:
     return total
 
 
+def round_cost(k: int, cost_ratio: float, block_cost: float = 1.0) -> float:
+    """k c + b: a round's cost in target decode steps (k draft steps, one (k+1)-token target pass)."""
+    return k * cost_ratio + block_cost
+
+
 def predicted_speedup(acceptance: float | Sequence[float], k: int, cost_ratio: float, block_cost: float = 1.0) -> float:
     """E[tokens](k) / (k c + b): speed relative to target-only decoding."""
-    return expected_tokens(acceptance, k) / (k * cost_ratio + block_cost)
+    return expected_tokens(acceptance, k) / round_cost(k, cost_ratio, block_cost)
 
 
 def acceptance_from_tokens_per_pass(tokens_per_pass: float, k: int) -> float:

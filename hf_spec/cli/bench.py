@@ -1,0 +1,112 @@
+"""``hf-spec bench``: target-only, transformers' assisted generation and hf_spec side by side (JSON, PNG, table)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from hf_spec.bench.report import format_table, plot
+from hf_spec.bench.runner import DEFAULT_METHODS, METHODS, SETTINGS, method_spec, run_benchmark
+from hf_spec.bench.workloads import WORKLOADS, random_workloads, text_workloads
+from hf_spec.cli.common import load_models, positive_int
+from hf_spec.loading.pair import TINY, place_draft
+from hf_spec.loading.pretrained import load
+from hf_spec.loading.quantization import SCHEMES, quantized_copy
+from hf_spec.loading.tiny import TINY_VOCAB_SIZE, build_tiny_pair
+from hf_spec.validation import check_same_vocabulary
+
+
+def _method(text: str) -> str:
+    try:
+        method_spec(text, 1)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def add_parser(commands, shared: argparse.ArgumentParser) -> None:
+    parser = commands.add_parser(
+        "bench", parents=[shared],
+        help="target-only, transformers' assisted generation and hf_spec side by side (JSON, PNG, table)",
+        description="Runs target-only generate, transformers' generate(assistant_model=) (at its best: constant "
+                    "schedule, same k, no confidence threshold; and at its defaults) and hf_spec, interleaved, on "
+                    "the same prompts and settings.",
+    )
+    parser.add_argument("--workloads", nargs="+", default=["code", "prose"], choices=WORKLOADS,
+                        help="code: HumanEval prompts completed as text; prose: chat requests for prose; edit: add "
+                             "type hints to a given function (default: code prose)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                        help="greedy, and/or sampled at temperature 0.7, top-p 0.9")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
+                        help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N); target_only is always "
+                             "run, every ratio is relative to it (default: %(default)s)")
+    parser.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
+                        help="also run every method on the target quantized with each scheme (reported as "
+                             "<method>@<scheme>, same draft, interleaved with the rest)")
+    parser.add_argument("--draft-variants", nargs="+", default=[], metavar="DRAFT",
+                        help="also run every method that uses a draft with each of these drafts (built-in name or "
+                             "folder, e.g. a distilled draft; reported as <method>@<folder name>)")
+    parser.add_argument("--prompts", type=positive_int, default=3, help="prompts per workload (default: %(default)s)")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="skip this many prompts of each workload (hold out what a draft was trained on)")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="calls per prompt and method")
+    parser.add_argument("--json", default="bench.json", help="report file (default: %(default)s)")
+    parser.add_argument("--plot", default="bench.png", help="plot file (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def _variants(args: argparse.Namespace, target, tokenizer) -> dict:
+    """``--variants``: the target again, quantized with each scheme; ``--draft-variants``: (target, other draft)."""
+    if args.quantize in args.variants:
+        raise SystemExit(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
+                         f"{args.quantize}.")
+    if args.target == TINY:
+        variants = {scheme: quantized_copy(build_tiny_pair(seed=args.seed)[0], scheme) for scheme in args.variants}
+    else:
+        variants = {scheme: load(args.target, dtype=getattr(torch, args.dtype), quantize=scheme)[0]
+                    for scheme in args.variants}
+    for name in args.draft_variants:
+        label = Path(name).name
+        if label in variants:
+            raise SystemExit(f"--draft-variants {name}: the label {label!r} is taken; rename the folder.")
+        if args.target == TINY:
+            raise SystemExit(f"--draft-variants {name}: the tiny pair has no tokenizer to check a draft against.")
+        draft, draft_tokenizer = load(name, dtype=getattr(torch, args.dtype), quantize=args.quantize_draft)
+        try:
+            check_same_vocabulary(tokenizer, draft_tokenizer)
+        except ValueError as error:
+            raise SystemExit(f"--draft-variants {name} does not fit --target {args.target}: {error}") from None
+        variants[label] = (target, place_draft(draft, target, args.quantize_draft))
+    return variants
+
+
+def run(args: argparse.Namespace) -> int:
+    pair = load_models(args)
+    workloads = tuple(dict.fromkeys(args.workloads))
+    try:
+        if pair.tokenizer is None:
+            inputs = random_workloads(workloads, args.prompts, TINY_VOCAB_SIZE, seed=args.seed)
+        else:
+            inputs = text_workloads(pair.tokenizer, workloads, args.prompts, args.offset)
+    except ValueError as error:
+        raise SystemExit(f"--prompts/--offset: {error}") from None
+    methods = tuple(dict.fromkeys(["target_only", *args.methods]))
+    variants = _variants(args, pair.target, pair.tokenizer)
+    methods = (*methods, *(f"{method}@{label}" for label, variant in variants.items() for method in methods
+                           if not isinstance(variant, tuple) or method_spec(method, 1).uses_draft))
+    report = run_benchmark(
+        pair.target, pair.draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
+        methods=methods, variants=variants, num_draft_tokens=args.num_assistant_tokens,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
+    )
+    report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft)
+    with open(args.json, "w") as out:
+        json.dump(report, out, indent=2)
+    plot(report, args.plot)
+    print(format_table(report))
+    print(f"wrote {args.json} and {args.plot}")
+    return 0

@@ -1,0 +1,67 @@
+"""What the loop asks of a drafter, and what a drafter hands back.
+
+A drafter proposes up to k tokens for every active row, each drawn from a law q that depends only on the row's
+prefix, and returns q. That is all the acceptance rule needs for exactness: `hf_spec.rejection` accepts token x with
+probability min(1, p(x) / q(x)) and resamples a rejection from normalize(max(0, p - q)), whatever q is.
+
+What drafters do not do: choose k (`hf_spec.drafting.draft_length` does), or touch the target's cache.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from transformers import LogitsProcessorList
+
+from hf_spec.rows import RaggedBatch
+
+
+@dataclasses.dataclass
+class Proposal:
+    """What a drafter proposes for one round."""
+
+    draft_ids: torch.Tensor  # [active, k]
+    draft_probs: torch.Tensor | None  # [active, k, vocab] the law each token was drawn from; None when greedy
+    is_invalid: torch.Tensor  # [2] bool: NaN/inf draft logits; processed scores with NaN/+inf or nothing unmasked
+    num_model_steps: int  # draft-model forward passes it took (0 for lookup): what the draft-length chooser times
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.draft_ids.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What every drafter needs to know about the call."""
+
+    logits_processor: LogitsProcessorList
+    vocab_size: int
+    do_sample: bool
+    generator: torch.Generator | None
+
+
+class Drafter(abc.ABC):
+    """Proposes draft tokens; keeps whatever state it has consistent with the loop's rollbacks."""
+
+    @abc.abstractmethod
+    def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
+        """Up to ``num_draft_tokens`` tokens for every active row of ``batch`` (the same number for all of them)."""
+
+    def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
+        """Keep at most ``num_cached`` positions of state, and only ``staying_rows`` (indices into the active rows)."""
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Make draft logits ``[..., draft_vocab]`` as wide as the target's ``vocab_size``.
+
+    Extra draft rows are dropped (the target cannot emit those ids, so proposing them only wastes a round); missing
+    rows get ``-inf``, probability 0. Same tokenizer, different embedding-row counts (e.g. padded to a multiple of 64).
+    """
+    if logits.shape[-1] == vocab_size:
+        return logits
+    if logits.shape[-1] > vocab_size:
+        return logits[..., :vocab_size]
+    return F.pad(logits, (0, vocab_size - logits.shape[-1]), value=float("-inf"))

@@ -1,0 +1,59 @@
+"""`ModelDrafter`: q is a draft model's processed law (the target's processor chain, per position)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from hf_spec.caches import crop_to, new_cache, select_rows
+from hf_spec.drafting.base import DraftContext, Drafter, Proposal, align_vocab
+from hf_spec.forward import extend_mask, forward_missing, has_invalid_values
+from hf_spec.rejection import sample_from_weights
+from hf_spec.rows import RaggedBatch
+from logits_processors import process_step
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a model that shares the target's tokenizer, from its own cache (`hf_spec.caches` invariant)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.cache = new_cache(model)
+
+    def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
+        model_ids = batch.model_ids
+        # Ids past the draft's embedding rows (padding rows of a larger target) are only conditioning for the draft:
+        # clamping them changes q, which stays the exact law the draft samples from.
+        max_draft_id = self.model.get_input_embeddings().num_embeddings - 1
+        needs_clamp = max_draft_id < context.vocab_size - 1
+        draft_ids = model_ids.new_empty((batch.num_active, 0))
+        probs = []
+        is_invalid = torch.zeros(2, dtype=torch.bool, device=model_ids.device)  # [raw logits, processed scores]
+        for i in range(num_draft_tokens):
+            prefix_ids = torch.cat([model_ids, draft_ids], dim=1)  # [active, columns + i]
+            logits = forward_missing(
+                self.model, self.cache, prefix_ids.clamp(max=max_draft_id) if needs_clamp else prefix_ids,
+                extend_mask(batch.model_mask, i), num_logits=1,
+            )
+            logits = align_vocab(logits[:, 0], context.vocab_size)  # [active, vocab]
+            row_ids, lengths = batch.row_view(draft_ids)
+            step_scores = batch.to_active(
+                process_step(context.logits_processor, row_ids, batch.to_batch(logits), lengths)
+            )  # [active, vocab]
+            is_invalid |= torch.stack([has_invalid_values(logits), has_invalid_values(step_scores)])
+            if context.do_sample:
+                probs.append(step_scores.softmax(dim=-1))
+                next_ids = sample_from_weights(probs[-1], context.generator)  # [active]
+            else:
+                next_ids = step_scores.argmax(dim=-1)  # [active]
+            draft_ids = torch.cat([draft_ids, next_ids.unsqueeze(1)], dim=1)
+        draft_probs = None
+        if context.do_sample:
+            draft_probs = (torch.stack(probs, dim=1) if probs
+                           else torch.empty((batch.num_active, 0, context.vocab_size), device=draft_ids.device))
+        return Proposal(draft_ids, draft_probs, is_invalid, num_model_steps=num_draft_tokens)
+
+    def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
+        if staying_rows is not None:
+            select_rows(self.cache, staying_rows)
+        crop_to(self.cache, num_cached)

@@ -1,0 +1,33 @@
+"""The CPU this runs on: its instruction-set flags and the class that decides which forward path is fastest.
+
+A CPU with native bf16 (AMX or AVX512-BF16) runs a bf16 block of several tokens in about the time of one decode
+step; an AVX2-only CPU needs several steps for it. Which kernels torch picks (oneDNN or its own) matters as much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    """``(model name, instruction-set flags)`` of this machine's CPU, from ``/proc/cpuinfo`` (empty elsewhere)."""
+    flags, cpu = set(), platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name") and not cpu:
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return cpu, flags
+
+
+def cpu_class(flags: set[str]) -> str:
+    """The class that decides CPU speed regimes here: ``"AMX"`` (``amx_bf16``), ``"AVX512-BF16"``, ``"AVX512"``,
+    ``"AVX2"`` or ``"other"``. With native bf16 (the first two) a multi-token bf16 block costs about one decode step;
+    without it, several."""
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "other"

@@ -1,0 +1,71 @@
+"""`load_pair`: a target and a draft that fit each other, loaded, quantized and placed, in one call.
+
+What the command line does for every subcommand, as a library call for notebooks and scripts::
+
+    >>> pair = load_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", dtype=torch.bfloat16)
+    >>> pair.target.generate(**pair.tokenizer("def f(", return_tensors="pt"), assistant_model=pair.draft)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import PreTrainedModel
+
+from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
+from hf_spec.loading.quantization import first_device, quantized_copy
+from hf_spec.loading.tiny import build_tiny_pair
+from hf_spec.mixin import speculative
+from hf_spec.validation import check_same_vocabulary
+
+#: The name of the built-in random-weight pair: token ids in and out, no tokenizer.
+TINY = "tiny"
+
+
+@dataclasses.dataclass
+class Pair:
+    """A speculative-ready target, its draft on the target's first device, and their shared tokenizer (``None`` for
+    the tiny pair)."""
+
+    target: PreTrainedModel
+    draft: PreTrainedModel
+    tokenizer: object | None
+
+
+def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype: torch.dtype = torch.float32,
+              quantize: str | None = None, quantize_draft: str | None = None, draft_dtype: torch.dtype | None = None,
+              seed: int = 0) -> Pair:
+    """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"`` for both).
+
+    Args:
+        dtype: weights of both models (the compute dtype of 4-bit layers).
+        quantize, quantize_draft: a bitsandbytes scheme (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; the
+            quantized target is spread by ``device_map="auto"``, and the draft goes to its first device.
+        draft_dtype: the draft's weights when they should differ (training keeps float32).
+        seed: seeds the tiny pair's weights.
+
+    Raises:
+        ValueError: ``"tiny"`` paired with a real model, or a draft whose tokenizer differs from the target's.
+    """
+    if TINY in (target, draft):
+        if target != draft:
+            raise ValueError(f"`target` {TINY!r} goes with `draft` {TINY!r}, got {target!r} and {draft!r}.")
+        target_model, draft_model = build_tiny_pair(seed=seed)
+        if quantize:
+            target_model = quantized_copy(target_model, quantize)
+        if quantize_draft:
+            draft_model = quantized_copy(draft_model, quantize_draft)
+        return Pair(speculative(target_model), place_draft(draft_model, target_model, quantize_draft), None)
+    target_model, tokenizer = load(target, dtype=dtype, quantize=quantize)
+    draft_model, draft_tokenizer = load(draft, dtype=draft_dtype or dtype, quantize=quantize_draft)
+    try:
+        check_same_vocabulary(tokenizer, draft_tokenizer)
+    except ValueError as error:
+        raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
+    return Pair(speculative(target_model), place_draft(draft_model, target_model, quantize_draft), tokenizer)
+
+
+def place_draft(draft: PreTrainedModel, target: PreTrainedModel, draft_quantization: str | None) -> PreTrainedModel:
+    """The draft on the target's first device (a quantized draft was placed by its own ``device_map``)."""
+    return draft if draft_quantization is not None else draft.to(first_device(target))

@@ -1,0 +1,68 @@
+"""Each use of transformers' private API (`hf_spec.compat`, `logits_processors.compat`) against the pinned version:
+a transformers upgrade that breaks one fails here by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+from hf_spec import compat
+
+
+def test_generate_still_routes_assisted_decoding_to_the_overridden_hooks():
+    compat.check_generation_hooks()  # raises ImportError otherwise
+
+
+def test_pad_token_tensor_is_what_generate_resolved():
+    model = make_tiny_model(seed=0)
+    config = GenerationConfig(pad_token_id=3, eos_token_id=5)
+    model._prepare_special_tokens(config, True, device="cpu")
+    assert int(compat.pad_token_tensor(config)) == 3
+
+
+def test_decoding_chain_is_transformers_own_chain():
+    model = make_tiny_model(seed=0)
+    chain = compat.decoding_chain(model, {"do_sample": True, "temperature": 0.7, "top_k": 3}, torch.tensor([[1, 2]]))
+    assert isinstance(chain, LogitsProcessorList)
+    assert {type(p) for p in chain} >= {TemperatureLogitsWarper, TopKLogitsWarper}
+
+
+def test_modules_kept_in_full_precision_include_the_output_embeddings():
+    assert "lm_head" in compat.modules_kept_in_full_precision(make_tiny_model(seed=0))
+
+
+def test_drop_gguf_quantizer_makes_a_model_saveable(tmp_path):
+    model = make_tiny_model(seed=0)
+    model.hf_quantizer = object()
+    model.config.quantization_config = {"quant_method": "gguf"}
+    compat.drop_gguf_quantizer(model)
+    assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
+    model.save_pretrained(tmp_path)
+
+
+def test_processor_internals_read_by_the_block_implementations():
+    bad_words = NoBadWordsLogitsProcessor([[2, 1]], eos_token_id=0)
+    compat.prepare_sequence_bias(bad_words, torch.zeros(1, 16))
+    assert bad_words.prepared_bias_variables and bad_words.multi_token_biases is not None
+    constrained = PrefixConstrainedLogitsProcessor(lambda batch_id, ids: [int(ids[-1]) + 1], num_beams=1)
+    assert compat.num_beams(constrained) == 1
+    assert compat.prefix_allowed_tokens(constrained, 0, torch.tensor([4, 5])) == [6]
+
+
+@pytest.mark.parametrize("name", sorted(compat.OVERRIDDEN_METHODS))
+def test_overridden_methods_keep_the_parameters_hf_spec_relies_on(name):
+    import inspect
+
+    from transformers import GenerationMixin
+
+    parameters = inspect.signature(getattr(GenerationMixin, name)).parameters
+    assert set(compat.OVERRIDDEN_METHODS[name]) <= set(parameters)
