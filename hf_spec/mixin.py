@@ -38,7 +38,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_spec.caches import prepare_for_rollback
 from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
-from hf_spec.drafting import Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
+from hf_spec.drafting import AutoDraftLength, Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
+from hf_spec.drafting.costs import probe_costs
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
     resolve_num_draft_tokens,
@@ -145,14 +146,17 @@ class SpeculativeGenerationMixin(GenerationMixin):
         prepare_for_rollback(target_cache, "cache")
         options = _call_options()
         prompt_lookup_num_tokens, ngram_size = resolve_prompt_lookup(generation_config)
+        draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
+        if isinstance(draft_length, AutoDraftLength) and not draft_length.has_costs:
+            # measured once per process and models: auto k starts from the costs instead of exploring
+            draft_length.start_from(probe_costs(self, assistant_model, draft_length.max_draft_tokens))
         result = speculative_decode(
             self,
             make_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size),
             input_ids,
             model_kwargs.get("attention_mask"),
             target_cache,
-            draft_length=resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model,
-                                                  prompt_lookup_num_tokens),
+            draft_length=draft_length,
             logits_processor=logits_processor,
             stopping_criteria=stopping_criteria,
             generation_config=generation_config,

@@ -189,9 +189,12 @@ def test_bench_runs_every_method_on_the_quantized_variants_too(tmp_path, capsys)
     assert "| vs own target-only |" in capsys.readouterr().out
     report = json.loads(report_path.read_text())
     methods = ["target_only", "hf_spec", "target_only@nf4", "hf_spec@nf4", "target_only@8bit", "hf_spec@8bit"]
-    assert report["config"]["methods"] == methods
+    assert report["config"]["methods"] == [*methods, "target_only@stock", "target_only@steps"]
     assert report["config"]["variants"] == {"nf4": {"target": "nf4", "draft": "same"},
-                                            "8bit": {"target": "8bit", "draft": "same"}}
+                                            "8bit": {"target": "8bit", "draft": "same"},
+                                            "stock": {"target": "tiny (float32, CPU path stock)", "draft": "same"},
+                                            "steps": report["config"]["variants"]["steps"]}
+    assert report["config"]["variants"]["steps"]["target"].startswith("tiny (float32, CPU path ")
     assert report["config"]["quantization"] is None
     assert report["weights_bytes"]["target@nf4"] < report["weights_bytes"]["target"]
     assert set(report["costs"]) == {"code", "code@nf4", "code@8bit"}

@@ -1,64 +1,17 @@
-"""Measuring a generate() call: forward-pass costs, forward-pass counts, peak memory, weights, and the machine."""
+"""Measuring a generate() call: forward-pass counts, peak memory, weights, and the machine (forward-pass costs:
+`hf_spec.drafting.costs`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import platform
 import threading
-import time
 
-import numpy as np
 import torch
 import transformers
-from transformers import PreTrainedModel
 
-from hf_spec.caches import cache_length, crop_to, new_cache
 from hf_spec.loading.cpu import cpu_class, cpu_flags
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardCosts:
-    """Median seconds of a target step, of target blocks of several widths, and of a draft step, after one prompt."""
-
-    target_step_seconds: float
-    draft_step_seconds: float
-    target_block_seconds: dict[int, float]  # width (k + 1) -> seconds
-
-    @property
-    def cost_ratio(self) -> float:
-        """c: draft step / target step."""
-        return self.draft_step_seconds / self.target_step_seconds
-
-    def block_cost(self, k: int) -> float:
-        """b: a target pass over k + 1 tokens / a target step."""
-        return self.target_block_seconds[k + 1] / self.target_step_seconds
-
-
-@torch.no_grad()
-def forward_seconds(model: PreTrainedModel, input_ids: torch.Tensor, widths: list[int], repeats: int = 5) -> dict:
-    """Median seconds of a forward pass of each width in ``widths`` on top of a cached ``input_ids`` prefix."""
-    cache = new_cache(model)
-    model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    prefix = cache_length(cache)
-    seconds = {width: [] for width in widths}
-    for _ in range(repeats):
-        for width in widths:
-            block = input_ids[:, -1:].expand(-1, width)  # [1, width]
-            started = time.perf_counter()
-            model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=width)
-            seconds[width].append(time.perf_counter() - started)
-            crop_to(cache, prefix)
-    return {width: float(np.median(values)) for width, values in seconds.items()}
-
-
-def forward_costs(target: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
-                  ks: set[int]) -> ForwardCosts:
-    """Costs for drafting each k in ``ks`` after the prompt ``input_ids`` ``[1, S]``."""
-    target_seconds = forward_seconds(target, input_ids, sorted({1} | {k + 1 for k in ks}))
-    draft_seconds = forward_seconds(draft, input_ids.to(draft.device), [1])
-    return ForwardCosts(target_seconds[1], draft_seconds[1], target_seconds)
 
 
 class ForwardCounter:

@@ -18,11 +18,14 @@ import dataclasses
 
 import numpy as np
 
-from hf_spec.bench.measure import ForwardCosts
+from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 
 #: Every workload together, per setting: a mixed workload.
 ALL_WORKLOADS = "all"
+#: Target-only decoding of the same weights on the optimized path, as loaded (stock kernels), and on the path that is
+#: fastest for 1-token steps: the best of them is the strongest target-only baseline.
+KERNEL_BASELINES = ("target_only", "target_only@stock", "target_only@steps")
 
 
 @dataclasses.dataclass
@@ -44,7 +47,7 @@ class Run:
     identical_to_target_only: bool | None = None
 
 
-def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts], method_k: dict[str, int | None],
+def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], method_k: dict[str, int | None],
               weights: dict[str, int]) -> list[dict]:
     """One row per (workload, setting, method) with every figure the report shows, then, with several workloads,
     one row per (setting, method) over all of them (workload ``"all"``).
@@ -97,6 +100,10 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, ForwardCosts
         variant = variant_suffix(row["method"])
         own = by_key.get((*key, "target_only" + variant)) or by_key[(*key, "target_only")]
         row["speedup_vs_own_target_only"] = row["tokens_per_second"] / own["tokens_per_second"]
+        stock = by_key.get((*key, "target_only@stock"))
+        row["speedup_vs_stock_target_only"] = row["tokens_per_second"] / stock["tokens_per_second"] if stock else None
+        best = max(by_key[(*key, name)]["tokens_per_second"] for name in KERNEL_BASELINES if (*key, name) in by_key)
+        row["speedup_vs_best_target_only"] = row["tokens_per_second"] / best
         row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
     return rows
 
@@ -108,7 +115,7 @@ def variant_suffix(method: str) -> str:
     return at + label
 
 
-def _prediction(row: dict, costs: ForwardCosts | None, k: int | None) -> dict:
+def _prediction(row: dict, costs: CostTable | None, k: int | None) -> dict:
     """The formula's speed-up for a method drafting exactly k tokens per pass over target-only decoding with the
     same target (``own_target_only``), and the share of it measured."""
     if k is None or costs is None:
@@ -135,11 +142,15 @@ def format_table(report: dict) -> str:
         "| identical to target-only |"
     )
     has_variants = any("@" in row["method"] for row in report["results"])
-    if has_variants:
-        header = header.replace("| vs transformers |", "| vs own target-only | vs transformers |")
-    lines = [header, "|" + "---|" * (16 if has_variants else 15)]
+    has_stock = any(row["speedup_vs_stock_target_only"] is not None for row in report["results"])
+    extra = (" vs own target-only |" if has_variants else "") + (" vs stock | vs best target-only |" if has_stock else "")
+    header = header.replace("| vs transformers |", "|" + extra + " vs transformers |")
+    lines = [header, "|" + "---|" * (15 + has_variants + 2 * has_stock)]
     for row in report["results"]:
         own = f"| {number(row['speedup_vs_own_target_only'], '.2f', 'x')} " if has_variants else ""
+        if has_stock:
+            own += (f"| {number(row['speedup_vs_stock_target_only'], '.2f', 'x')} "
+                    f"| {number(row['speedup_vs_best_target_only'], '.2f', 'x')} ")
         lines.append(
             f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_second']:.2f} "
             f"| {row['speedup_vs_target_only']:.2f}x {own}| {number(row['speedup_vs_transformers'], '.2f', 'x')} "
@@ -154,7 +165,19 @@ def format_table(report: dict) -> str:
         + ", ".join(f"b(k={k}) = {b:.2f}" for k, b in c["block_cost_by_k"].items())
         for name, c in report["costs"].items()
     )
-    return "\n".join(lines) + f"\n\nMeasured cost ratios: {costs}.\nMachine: {report['machine']}"
+    return ("\n".join(lines) + f"\n\nMeasured cost ratios: {costs}.\n\n" + format_cost_table(report["cost_table"])
+            + f"\n\nMachine: {report['machine']}")
+
+
+def format_cost_table(table: dict) -> str:
+    """b (a target pass over n tokens / a step) for each n, and c (a draft step / a target step), as Markdown."""
+    step = table["target_step_seconds"]
+    lines = [(f"Target step {step * 1e3:.0f} ms, draft step {table['draft_step_seconds'] * 1e3:.0f} ms: "
+             f"c = {table['draft_step_seconds'] / step:.2f}."), "", "| tokens in the target pass | ms | b |",
+             "|---|---|---|"]
+    lines += [f"| {n} | {seconds * 1e3:.0f} | {seconds / step:.2f} |"
+              for n, seconds in sorted(table["target_block_seconds"].items(), key=lambda item: int(item[0]))]
+    return "\n".join(lines)
 
 
 def plot(report: dict, path: str) -> None:

@@ -21,6 +21,11 @@ start from the same seed for every method. Target and draft forward passes are c
 acceptance for transformers is derived from those counts (accepted = tokens - target passes, proposed = draft passes),
 for hf_spec it is its own statistics. The report: `hf_spec.bench_report`.
 
+Kernel baselines: with variants labelled ``stock`` (the target as loaded) and ``steps`` (the target on the CPU path
+fastest for 1-token steps, `hf_spec.loading.packed`), ``target_only@stock`` and ``target_only@steps`` run beside
+``target_only`` on the main pair's weights, so a speed-up from kernels shows apart from one from speculation; every
+row is also reported against the best of them.
+
 Variants: other targets (a quantized copy, say) passed as ``variants={"nf4": model}``, or other (target, draft) pairs
 (``variants={"distilled": (target, trained_draft)}``); a method named ``<method>@<label>`` runs on that variant,
 interleaved with the rest. Its speed-up is reported against the first target's ``target_only`` and against its own
@@ -39,10 +44,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from hf_spec.bench.measure import ForwardCounter, PeakMemory, forward_costs, machine_info, weight_bytes
-from hf_spec.bench.report import Run, summarize, variant_suffix
+from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
+from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
-from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
+from hf_spec.drafting.costs import measure_costs, probe_costs
+from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.evaluation.continuations import count_new_tokens, eos_token_ids, seeded
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.mixin import speculative, without_speculation
@@ -183,8 +189,10 @@ def run_benchmark(
         generate_once(spec, *plan.pair(method), first, {**plan.generate_kwargs, "max_new_tokens": 4})
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
-    costs = {name + suffix: forward_costs(*plan.pairs[suffix], prompts[0]["input_ids"], fixed_ks)
-             for suffix in dict.fromkeys(plan.pair_of.values()) for name, prompts in workloads.items()}
+    costs = {name + suffix: measure_costs(*plan.pairs[suffix], prompts[0]["input_ids"], [k + 1 for k in fixed_ks])
+             for suffix in dict.fromkeys(plan.pair_of[m] for m, spec in plan.specs.items() if spec.uses_draft)
+             for name, prompts in workloads.items()}
+    cost_table = probe_costs(*plan.pairs[""], max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks))
     runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress)
 
     weights = {}
@@ -205,6 +213,7 @@ def run_benchmark(
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in plan.specs.items()},
         },
         "weights_bytes": weights,
+        "cost_table": dataclasses.asdict(cost_table),
         "costs": {name: {"target_step_seconds": c.target_step_seconds, "draft_step_seconds": c.draft_step_seconds,
                          "target_block_seconds": c.target_block_seconds, "cost_ratio": c.cost_ratio,
                          "block_cost_by_k": {kk: c.block_cost(kk) for kk in sorted(fixed_ks)}}
@@ -273,6 +282,8 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
         if not settings[setting].get("do_sample"):
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
                 reference = new_ids.get("target_only" + plan.pair_of[run.method], new_ids["target_only"])
+                if run.method in KERNEL_BASELINES:  # the same weights on other kernels: against the main path
+                    reference = new_ids["target_only"]
                 run.identical_to_target_only = bool(torch.equal(new_ids[run.method], reference))
     bar.close()
     return runs
@@ -282,4 +293,6 @@ def _describe(model: PreTrainedModel, base: PreTrainedModel) -> str:
     """How a variant's model differs from the first pair's: ``"same"``, its quantization, or its name and dtype."""
     if model is base:
         return "same"
-    return quantization_of(model) or f"{model.name_or_path} ({str(model.dtype).removeprefix('torch.')})"
+    path = getattr(model, "hf_spec_cpu_path", None) or "stock"
+    return quantization_of(model) or (f"{model.name_or_path or 'tiny'} ({str(model.dtype).removeprefix('torch.')}, "
+                                      f"CPU path {path})")

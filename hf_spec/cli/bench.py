@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import DEFAULT_METHODS, METHODS, SETTINGS, method_spec, run_benchmark
 from hf_spec.bench.workloads import WORKLOADS, random_workloads, text_workloads
 from hf_spec.cli.common import load_models, positive_int
+from hf_spec.loading.packed import optimize
 from hf_spec.loading.pair import TINY, place_draft
 from hf_spec.loading.pretrained import load
 from hf_spec.loading.quantization import SCHEMES, quantized_copy
@@ -59,15 +61,33 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def _kernel_baselines(args: argparse.Namespace, pair) -> dict:
+    """The target again, as loaded (``stock``) and on the path fastest for steps (``steps``), for target-only runs
+    beside the optimized pair: none with ``--no-optimize`` or a quantized target."""
+    if args.no_optimize or args.quantize:
+        return {}
+    baselines = {}
+    for label in ("stock", "steps"):
+        if args.target == TINY:
+            model = build_tiny_pair(seed=args.seed)[0]
+        else:
+            model = load(args.target, dtype=pair.target.dtype)[0]
+        if label == "steps":
+            print(f"target for steps: {optimize(model, role='steps').describe()}")
+        baselines[label] = model
+    return baselines
+
+
 def _variants(args: argparse.Namespace, target, tokenizer) -> dict:
     """``--variants``: the target again, quantized with each scheme; ``--draft-variants``: (target, other draft)."""
+    pair_dtype = target.dtype if target.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     if args.quantize in args.variants:
         raise SystemExit(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
     if args.target == TINY:
         variants = {scheme: quantized_copy(build_tiny_pair(seed=args.seed)[0], scheme) for scheme in args.variants}
     else:
-        variants = {scheme: load(args.target, dtype=getattr(torch, args.dtype), quantize=scheme)[0]
+        variants = {scheme: load(args.target, dtype=pair_dtype, quantize=scheme)[0]
                     for scheme in args.variants}
     for name in args.draft_variants:
         label = Path(name).name
@@ -75,7 +95,7 @@ def _variants(args: argparse.Namespace, target, tokenizer) -> dict:
             raise SystemExit(f"--draft-variants {name}: the label {label!r} is taken; rename the folder.")
         if args.target == TINY:
             raise SystemExit(f"--draft-variants {name}: the tiny pair has no tokenizer to check a draft against.")
-        draft, draft_tokenizer = load(name, dtype=getattr(torch, args.dtype), quantize=args.quantize_draft)
+        draft, draft_tokenizer = load(name, dtype=pair_dtype, quantize=args.quantize_draft)
         try:
             check_same_vocabulary(tokenizer, draft_tokenizer)
         except ValueError as error:
@@ -98,12 +118,16 @@ def run(args: argparse.Namespace) -> int:
     variants = _variants(args, pair.target, pair.tokenizer)
     methods = (*methods, *(f"{method}@{label}" for label, variant in variants.items() for method in methods
                            if not isinstance(variant, tuple) or method_spec(method, 1).uses_draft))
+    baselines = _kernel_baselines(args, pair)
+    methods, variants = (*methods, *(f"target_only@{label}" for label in baselines)), {**variants, **baselines}
     report = run_benchmark(
         pair.target, pair.draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
         methods=methods, variants=variants, num_draft_tokens=args.num_assistant_tokens,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
     )
-    report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft)
+    report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft,
+                            cpu_paths={role: None if path is None else dataclasses.asdict(path)
+                                       for role, path in (("target", pair.target_path), ("draft", pair.draft_path))})
     with open(args.json, "w") as out:
         json.dump(report, out, indent=2)
     plot(report, args.plot)

@@ -33,8 +33,12 @@ def model_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--num-assistant-tokens", "-k", type=positive_int, default=DEFAULT_NUM_DRAFT_TOKENS,
                         help="draft tokens per round (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="model weights (default: %(default)s; bf16 pays off on CPUs with AMX or AVX512-BF16)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="model weights (default: auto, bf16 where it is native: a GPU, a CPU with AMX or "
+                             "AVX512-BF16; float32 otherwise)")
+    parser.add_argument("--no-optimize", action="store_true",
+                        help="keep the models' stock CPU kernels (default: each model on its fastest forward path, "
+                             "chosen by measurement; see hf_spec.loading.packed)")
     parser.add_argument("--quantize", default=None, choices=SCHEMES,
                         help="load the target's linear layers quantized by bitsandbytes (8bit, or 4-bit nf4/fp4; "
                              "the rest in --dtype), spread over the devices with device_map='auto'")
@@ -62,18 +66,26 @@ def text_arguments() -> argparse.ArgumentParser:
     return parser
 
 
-def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None) -> Pair:
-    """The pair the options name (`hf_spec.loading.load_pair`); a bad pairing exits with the flags named."""
+def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None, optimize: bool = True) -> Pair:
+    """The pair the options name (`hf_spec.loading.load_pair`), on its fastest CPU paths unless ``--no-optimize``
+    (or ``optimize=False``: a draft that trains keeps plain layers); a bad pairing exits with the flags named."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        pair = load_pair(args.target, args.draft, dtype=getattr(torch, args.dtype), quantize=args.quantize,
-                         quantize_draft=args.quantize_draft, draft_dtype=draft_dtype, seed=args.seed)
+        pair = load_pair(args.target, args.draft, dtype=dtype_of(args), quantize=args.quantize,
+                         quantize_draft=args.quantize_draft, draft_dtype=draft_dtype, seed=args.seed,
+                         optimize_kernels=optimize and not args.no_optimize)
     except ValueError as error:
         raise SystemExit(f"--target {args.target} --draft {args.draft}: {error}") from None
     if pair.tokenizer is None:
         print("built-in tiny pair: random-weight Llama target and a perturbed copy as draft (no meaningful text)")
+    print(pair.describe())
     return pair
+
+
+def dtype_of(args: argparse.Namespace) -> torch.dtype | str:
+    """``--dtype`` as `load_pair` takes it."""
+    return "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
 
 
 def sampling(args: argparse.Namespace) -> dict:

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--quantize-draft {args.quantize_draft}: distill trains the draft in float32; quantize the "
                          "trained draft when you load it.")
     # the draft trains in float32 (bf16 weights would round small updates away); --dtype sets the teacher's
-    pair = load_models(args, draft_dtype=torch.float32)
+    pair = load_models(args, draft_dtype=torch.float32, optimize=False)
     if args.plain_text:
         if pair.tokenizer is None:
             raise SystemExit("--plain-text needs models with a tokenizer (not the tiny pair).")

@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     num_new = output.sequences.shape[1] - prompt_length
     report = {
         **stats.to_dict(), "new_tokens": num_new, "speculative_tokens_per_second": num_new / speculative_seconds,
-        "threads": torch.get_num_threads(), "dtype": args.dtype, "target": args.target, "draft": args.draft,
+        "threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."), "target": args.target,
+        "draft": args.draft,
+        "cpu_paths": {"target": getattr(target, "hf_spec_cpu_path", None), "draft": getattr(draft, "hf_spec_cpu_path", None)},
     }
     if args.compare:
         started = time.perf_counter()
@@ -105,5 +107,7 @@ def run(args: argparse.Namespace) -> int:
     line = f"tokens/s: speculative {report['speculative_tokens_per_second']:.2f}"
     if args.compare:
         line += f", target only {report['target_only_tokens_per_second']:.2f} (same settings)"
-    print(f"{line}; {report['threads']} thread(s), {args.dtype}")
+    paths = report["cpu_paths"]
+    print(f"{line}; {report['threads']} thread(s), {report['dtype']}, CPU paths: target {paths['target']}, "
+          f"draft {paths['draft']}")
     return 0

@@ -12,7 +12,11 @@ and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 
   (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed.
 
 k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts
-a single token so the acceptance estimate can recover. With a model-free drafter (prompt lookup) draft steps cost
+a single token so the acceptance estimate can recover, and each exploration that is rejected doubles the wait (up to
+`MAX_EXPLORE_EVERY`), so a draft that does not fit costs ever less. `start_from` seeds the costs with measured ones
+(`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process for ``"auto"``):
+the first rounds are then chosen from them, and where even a draft accepted every time could not beat a plain step
+(`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning. With a model-free drafter (prompt lookup) draft steps cost
 nothing and only the block cost limits k.
 
 No state outlives a ``generate()`` call unless you pass your own instance, ``num_assistant_tokens=AutoDraftLength()``,
@@ -23,14 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 
 from hf_spec.checks import check_int
+from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.speedup import predicted_speedup
 
 #: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
 DEFAULT_NUM_DRAFT_TOKENS = 5
 #: Drafted tokens per round at most with ``num_assistant_tokens="auto"``, unless the caller says otherwise.
 DEFAULT_MAX_DRAFT_TOKENS = 10
+#: The longest wait between exploration rounds once explorations keep being rejected.
+MAX_EXPLORE_EVERY = 128
+
+logger = logging.getLogger(__name__)
 
 
 def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> int:
@@ -108,7 +118,28 @@ class AutoDraftLength:
         self._block = {}  # block size -> _Mean of seconds
         self._decay = decay
         self._rounds_without_draft = 0
+        self._explore_wait = explore_every  # grows while explorations are rejected
+        self._is_exploring = False
+        self.is_hopeless = False  # measured costs say no draft can pay: k = 0 throughout
+        self.has_costs = False
         self.chosen: list[int] = []  # k of every round, in order (across calls when reused)
+
+    def start_from(self, costs: CostTable, weight: float = 4.0) -> None:
+        """Seed the costs with measured ones, each worth ``weight`` online measurements (which then take over)."""
+        if costs.draft_step_seconds > 0:
+            self._draft_step.add(costs.draft_step_seconds, weight)
+        for size, seconds in costs.target_block_seconds.items():
+            if size <= self.max_draft_tokens + 1:
+                self._block.setdefault(size, _Mean(self._decay)).add(seconds, weight)
+        self.has_costs = True
+        best = costs.best_possible_speedup()
+        self.is_hopeless = best < 1.0
+        if self.is_hopeless:
+            logger.warning(
+                "num_assistant_tokens='auto': speculation cannot pay on this machine with these models; even a draft "
+                "accepted every time would reach at most %.2fx target-only decoding (draft step / target step c = "
+                "%.2f, a %d-token target pass costs %.2f steps). Decoding with k = 0 (plain target steps).",
+                best, costs.cost_ratio, 2, costs.block_cost(1))
 
     def acceptance(self) -> list[float]:
         """Estimated P(accepted | reached) per block position."""
@@ -134,10 +165,13 @@ class AutoDraftLength:
     def choose(self, limit: int) -> int:
         """k for the next round, at most ``limit`` (tokens left before ``max_length``)."""
         limit = max(0, min(limit, self.max_draft_tokens))
-        if self.block_seconds(1) is None:
+        self._is_exploring = False
+        if self.is_hopeless:
+            k = 0
+        elif self.block_seconds(1) is None:
             k = self.initial
-        elif self._rounds_without_draft >= self.explore_every:
-            k = 1
+        elif self._rounds_without_draft >= self._explore_wait:
+            k, self._is_exploring = 1, True
         else:
             draft_step = self._draft_step.get(0.0)  # 0 until a draft model ran (prompt lookup costs nothing)
             blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
@@ -159,6 +193,9 @@ class AutoDraftLength:
         for accepted in num_accepted:
             for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
                 self._accepted[position].add(float(position < accepted))
+        if self._is_exploring and num_draft_tokens > 0:
+            is_rejected = max(num_accepted, default=0) == 0
+            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_rejected else self.explore_every
         if verify_seconds is not None:
             if num_model_steps > 0:
                 self._draft_step.add(draft_seconds / num_model_steps)

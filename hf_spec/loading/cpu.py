@@ -1,13 +1,16 @@
 """The CPU this runs on: its instruction-set flags and the class that decides which forward path is fastest.
 
 A CPU with native bf16 (AMX or AVX512-BF16) runs a bf16 block of several tokens in about the time of one decode
-step; an AVX2-only CPU needs several steps for it. Which kernels torch picks (oneDNN or its own) matters as much.
+step; an AVX2-only CPU needs several steps for it. Which kernels torch picks (oneDNN or its own) matters as much:
+`hf_spec.loading.packed` chooses them by measurement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import platform
+
+import torch
 
 
 def cpu_flags() -> tuple[str, set[str]]:
@@ -31,3 +34,16 @@ def cpu_class(flags: set[str]) -> str:
         if flag in flags:
             return name
     return "other"
+
+
+def has_native_bf16(flags: set[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX512-BF16): then bf16 weights are the fast choice."""
+    return cpu_class(cpu_flags()[1] if flags is None else flags) in ("AMX", "AVX512-BF16")
+
+
+def default_dtype() -> torch.dtype:
+    """The weights' dtype for the fastest exact path on this machine: bf16 on a GPU or a CPU with native bf16,
+    float32 otherwise (without native bf16 a bf16 block costs several float32 ones)."""
+    if torch.cuda.is_available() or has_native_bf16():
+        return torch.bfloat16
+    return torch.float32

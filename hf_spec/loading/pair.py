@@ -2,8 +2,9 @@
 
 What the command line does for every subcommand, as a library call for notebooks and scripts::
 
-    >>> pair = load_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", dtype=torch.bfloat16)
+    >>> pair = load_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")  # dtype and kernels: auto
     >>> pair.target.generate(**pair.tokenizer("def f(", return_tensors="pt"), assistant_model=pair.draft)
+    >>> print(pair.describe())  # the dtype and CPU forward path chosen, with what was measured
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import dataclasses
 import torch
 from transformers import PreTrainedModel
 
+from hf_spec.loading.cpu import default_dtype
+from hf_spec.loading.packed import CpuPath, optimize
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
 from hf_spec.loading.quantization import first_device, quantized_copy
 from hf_spec.loading.tiny import build_tiny_pair
@@ -25,21 +28,35 @@ TINY = "tiny"
 
 @dataclasses.dataclass
 class Pair:
-    """A speculative-ready target, its draft on the target's first device, and their shared tokenizer (``None`` for
-    the tiny pair)."""
+    """A speculative-ready target, its draft on the target's first device, their shared tokenizer (``None`` for the
+    tiny pair), and the CPU forward paths `optimize` chose (``None`` when not optimized)."""
 
     target: PreTrainedModel
     draft: PreTrainedModel
     tokenizer: object | None
+    target_path: CpuPath | None = None
+    draft_path: CpuPath | None = None
+
+    def describe(self) -> str:
+        lines = [(f"target: {self.target.name_or_path or 'tiny'} ({str(self.target.dtype).removeprefix('torch.')}), "
+                 f"draft: {self.draft.name_or_path or 'tiny'} ({str(self.draft.dtype).removeprefix('torch.')})")]
+        for role, path in (("target", self.target_path), ("draft", self.draft_path)):
+            if path is not None:
+                lines.append(f"{role} {path.describe()}")
+        return "\n".join(lines)
 
 
-def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype: torch.dtype = torch.float32,
+def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype: torch.dtype | str = "auto",
               quantize: str | None = None, quantize_draft: str | None = None, draft_dtype: torch.dtype | None = None,
-              seed: int = 0) -> Pair:
+              optimize_kernels: bool = True, seed: int = 0) -> Pair:
     """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"`` for both).
 
     Args:
-        dtype: weights of both models (the compute dtype of 4-bit layers).
+        dtype: weights of both models (the compute dtype of 4-bit layers); ``"auto"``: bf16 where it is native (a
+            GPU, a CPU with AMX or AVX512-BF16), else float32 (`hf_spec.loading.cpu.default_dtype`). The tiny pair
+            is always float32.
+        optimize_kernels: put each model on its fastest CPU forward path (`hf_spec.loading.packed.optimize`: the
+            target for verifying blocks, the draft for steps), chosen by measurement.
         quantize, quantize_draft: a bitsandbytes scheme (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; the
             quantized target is spread by ``device_map="auto"``, and the draft goes to its first device.
         draft_dtype: the draft's weights when they should differ (training keeps float32).
@@ -48,6 +65,10 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     Raises:
         ValueError: ``"tiny"`` paired with a real model, or a draft whose tokenizer differs from the target's.
     """
+    if dtype == "auto":
+        dtype = default_dtype()
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"`dtype` must be a torch.dtype or 'auto', but is {dtype!r}.")
     if TINY in (target, draft):
         if target != draft:
             raise ValueError(f"`target` {TINY!r} goes with `draft` {TINY!r}, got {target!r} and {draft!r}.")
@@ -56,14 +77,19 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             target_model = quantized_copy(target_model, quantize)
         if quantize_draft:
             draft_model = quantized_copy(draft_model, quantize_draft)
-        return Pair(speculative(target_model), place_draft(draft_model, target_model, quantize_draft), None)
-    target_model, tokenizer = load(target, dtype=dtype, quantize=quantize)
-    draft_model, draft_tokenizer = load(draft, dtype=draft_dtype or dtype, quantize=quantize_draft)
-    try:
-        check_same_vocabulary(tokenizer, draft_tokenizer)
-    except ValueError as error:
-        raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
-    return Pair(speculative(target_model), place_draft(draft_model, target_model, quantize_draft), tokenizer)
+        tokenizer = None
+    else:
+        target_model, tokenizer = load(target, dtype=dtype, quantize=quantize)
+        draft_model, draft_tokenizer = load(draft, dtype=draft_dtype or dtype, quantize=quantize_draft)
+        try:
+            check_same_vocabulary(tokenizer, draft_tokenizer)
+        except ValueError as error:
+            raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
+    pair = Pair(speculative(target_model), place_draft(draft_model, target_model, quantize_draft), tokenizer)
+    if optimize_kernels:
+        pair.target_path = optimize(pair.target, role="target")
+        pair.draft_path = optimize(pair.draft, role="steps")
+    return pair
 
 
 def place_draft(draft: PreTrainedModel, target: PreTrainedModel, draft_quantization: str | None) -> PreTrainedModel:

@@ -1,0 +1,188 @@
+"""The optimized CPU forward paths (`hf_spec.loading.packed`) and the measured costs auto k starts from.
+
+Exactness holds whatever the kernels: the law is enumerated from the optimized target itself, so these tests check
+that prepacked layers and per-pass kernel dispatch change nothing in the loop's law, greedy output, caches or
+checkpoints. Speed is measured with ``hf-spec bench``, not here.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+
+import pytest
+import torch
+from conftest import make_noisy_copy, make_tiny_model
+from goodness_of_fit import fit_sequences
+from test_batches import PAD, PROMPTS, left_padded
+from test_exactness import CASES, _resample_from_p, exact_law, sample_speculative
+from transformers import AutoModelForCausalLM
+
+import hf_spec.decoding
+from hf_spec import AutoDraftLength, speculative, without_speculation
+from hf_spec.bench.measure import weight_bytes
+from hf_spec.drafting.costs import CostTable, probe_costs
+from hf_spec.loading import packed
+from hf_spec.loading.packed import PackedLinear, deoptimize, optimize
+
+
+def optimized(model, path="packed"):
+    model = copy.deepcopy(model)
+    optimize(model, path=path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """The statistical tests' pair (vocabulary 4), both on the packed path."""
+    target = make_tiny_model(seed=10, vocab_size=4, num_layers=1, head_scale=3.0)
+    draft = make_noisy_copy(target, seed=12, noise=1.0)
+    return speculative(optimized(target)), optimized(draft)
+
+
+def test_packed_layers_really_are_packed_and_tied_outputs_stay_dense():
+    model = optimized(make_tiny_model(seed=0))
+    assert model.hf_spec_cpu_path == "packed"
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert model.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    tied = make_tiny_model(seed=0)
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # as Qwen ties them
+    optimize(tied, path="packed")
+    assert type(tied.lm_head) is torch.nn.Linear and tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("case", ["temperature_1", "combined_chain_k4"])
+def test_speculative_sampling_follows_the_optimized_target_law(small_pair, case):
+    target, draft = small_pair
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(target, draft, settings, user_processors, k, seed=31)
+    result = fit_sequences(samples, exact_law(target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+def test_negative_control_resampling_from_p_is_caught_on_the_optimized_path(small_pair, monkeypatch):
+    monkeypatch.setattr(hf_spec.decoding, "accept_draft_tokens", _resample_from_p)
+    target, draft = small_pair
+    k, settings, user_processors = CASES["temperature_1"]
+    samples = sample_speculative(target, draft, settings, user_processors, k, seed=98)
+    assert not fit_sequences(samples, exact_law(target, settings, user_processors)).is_consistent
+
+
+@pytest.mark.parametrize("path", ["dense", "packed"])
+def test_greedy_ragged_batch_equals_optimized_target_only(path):
+    base = make_tiny_model(seed=0)
+    target = speculative(optimized(base, path))
+    draft = optimized(make_tiny_model(seed=3), path)
+    input_ids, attention_mask = left_padded(PROMPTS)
+    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
+    with without_speculation(target):
+        expected = target.generate(input_ids, **common)
+    output = target.generate(input_ids, assistant_model=draft, num_assistant_tokens=4, return_dict_in_generate=True,
+                             **common)
+    assert torch.equal(output.sequences, expected)
+    assert 0 < output.speculative_stats.num_accepted < output.speculative_stats.num_draft_tokens
+
+
+def test_packing_keeps_the_weights_once_and_checkpoints_unchanged(tmp_path):
+    base = make_tiny_model(seed=0)
+    model = optimized(base)
+    assert weight_bytes(model) == weight_bytes(base)
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in base.state_dict().items())
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(prompt).logits, base(prompt).logits)
+    deoptimize(model)
+    assert not any(isinstance(module, PackedLinear) for module in model.modules()) and model.hf_spec_cpu_path is None
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in base.state_dict().items())
+
+
+def test_kernel_dispatch_restores_the_onednn_flag_even_after_an_error():
+    model = optimized(make_tiny_model(seed=0), "dense")
+    assert torch.backends.mkldnn.enabled
+    seen = []
+    model.model.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.mkldnn.enabled))
+    with torch.no_grad():
+        model(torch.tensor([[1]]))  # one row: torch's own kernels
+        model(torch.tensor([[1, 2, 3]]))  # a block: oneDNN
+        with pytest.raises(IndexError):
+            model(torch.tensor([[10_000]]))  # an id past the vocabulary fails inside the forward
+    assert seen == [False, True, False] and torch.backends.mkldnn.enabled
+
+
+def test_auto_measures_every_candidate_and_keeps_the_fastest_for_its_role():
+    model = make_tiny_model(seed=0)
+    path = optimize(model, role="steps", widths=[1, 2], repeats=1)
+    assert set(path.seconds) == {"stock", "dense", "packed"} and path.name in ("dense", "packed")
+    score = {name: seconds[1] for name, seconds in path.seconds.items() if name != "stock"}
+    assert path.name == min(score, key=score.get)
+    assert model.hf_spec_cpu_path == path.name and path.name in path.describe()
+
+
+def test_what_cannot_be_optimized_keeps_its_stock_path_with_the_reason(monkeypatch, caplog):
+    half = make_tiny_model(seed=0).to(torch.float16)
+    assert optimize(half).reason == "torch.float16 weights" and half.hf_spec_cpu_path == "stock"
+
+    def refuse(weight, *args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    model = make_tiny_model(seed=0)
+    monkeypatch.setattr(packed.torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    with caplog.at_level(logging.INFO, logger="hf_spec.loading.packed"):
+        path = optimize(model, path="packed")
+    assert path.name == "stock" and "cannot prepack" in path.reason
+    assert not any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+def test_bad_path_and_role_are_named():
+    model = make_tiny_model(seed=0)
+    with pytest.raises(ValueError, match="`path` must be 'auto' or one of .*'fast'"):
+        optimize(model, path="fast")
+    with pytest.raises(ValueError, match="`role` must be one of .*'verify'"):
+        optimize(model, role="verify")
+
+
+def test_costs_are_probed_once_per_process_and_models():
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    first = probe_costs(target, draft, 4)
+    assert probe_costs(target, draft, 4) is first
+    assert set(first.target_block_seconds) == {1, 2, 3, 4, 5} and first.draft_step_seconds > 0
+    assert probe_costs(target, None, 4).draft_step_seconds == 0.0
+
+
+def hopeless_costs() -> CostTable:
+    """A draft as dear as the target and blocks that cost a step per token: nothing can pay."""
+    return CostTable(1.0, 1.0, {n: float(n) for n in range(1, 12)})
+
+
+def test_auto_decodes_at_k0_and_says_so_where_speculation_cannot_pay(target, random_draft, caplog):
+    auto = AutoDraftLength()
+    with caplog.at_level(logging.WARNING, logger="hf_spec.drafting.draft_length"):
+        auto.start_from(hopeless_costs())
+    assert auto.is_hopeless and "speculation cannot pay" in caplog.text
+    prompt = torch.tensor([[1, 2, 3]])
+    output = target.generate(prompt, assistant_model=random_draft, num_assistant_tokens=auto, do_sample=False,
+                             max_new_tokens=20, return_dict_in_generate=True)
+    assert set(auto.chosen) == {0} and output.speculative_stats.num_draft_tokens == 0
+    with without_speculation(target):
+        assert torch.equal(output.sequences, target.generate(prompt, do_sample=False, max_new_tokens=20))
+
+
+def test_auto_starts_from_probed_costs_in_generate(target, random_draft):
+    auto = AutoDraftLength()
+    target.generate(torch.tensor([[1, 2, 3]]), assistant_model=random_draft, num_assistant_tokens=auto,
+                    max_new_tokens=4, do_sample=False)
+    assert auto.has_costs and auto.block_seconds(1) is not None
+
+
+def test_rejected_explorations_wait_ever_longer():
+    auto = AutoDraftLength(explore_every=2)
+    auto.start_from(CostTable(1.0, 0.3, {n: 1.0 for n in range(1, 12)}))
+    for _ in range(40):
+        k = auto.choose(10)
+        auto.update(k, [0], 0.3 * k, k, 1.0)  # every drafted token rejected
+    explorations = [i for i, k in enumerate(auto.chosen) if k > 0]
+    gaps = [b - a for a, b in itertools.pairwise(explorations)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], auto.chosen
