@@ -38,12 +38,20 @@ def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None
     Returns:
         ``[...]`` int64 indices.
 
-    Uses the exponential race ``argmax_i w_i / E_i`` with ``E_i ~ Exp(1)`` i.i.d., which picks ``i`` with probability
-    ``w_i / sum(w)``: no normalization (no division by a sum that could be 0) and no host synchronization. The
-    exponentials are clamped away from 0 so that a zero weight can never win through ``0 / 0``.
+    Inverse-CDF sampling: one float64 uniform u per row, scaled by the row's total, and the first index whose
+    cumulative weight exceeds it, so index i is drawn with probability ``w_i / sum(w)``. A zero weight adds nothing
+    to the cumulative sum, so it can never be drawn; u is kept strictly below the total, so the last index with a
+    positive weight is the largest that can come out. No normalization and no host synchronization; one random
+    number per row (an exponential race would need one per vocabulary entry: 3 ms a row at 151,936 entries here,
+    against 0.3 ms), and float64 sums keep rounding far below anything a test of the law could see.
     """
-    noise = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
-    return (weights / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    cumulative = weights.double().cumsum(dim=-1)  # [..., vocab]
+    total = cumulative[..., -1:]  # [..., 1]
+    uniforms = torch.rand(total.shape, dtype=torch.float64, device=weights.device, generator=generator)
+    thresholds = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))  # [..., 1] < total
+    # Rows with NaN or no positive weight break the contract; they still get an index in range (the loop's checks
+    # then raise a clear error for them instead of an index error deep in a model).
+    return torch.searchsorted(cumulative, thresholds, right=True).squeeze(-1).clamp_max_(weights.shape[-1] - 1)
 
 
 def accept_draft_tokens(

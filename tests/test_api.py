@@ -173,3 +173,16 @@ def test_encoder_decoder_models_are_refused():
     seq2seq = speculative(T5ForConditionalGeneration(config).eval())
     with pytest.raises(ValueError, match="`model`.*encoder-decoder"):
         seq2seq.generate(PROMPT, assistant_model=T5ForConditionalGeneration(config).eval(), max_new_tokens=3)
+
+
+@pytest.mark.parametrize("row, is_invalid", [
+    ([1.0, 2.0, 3.0], False), ([-float("inf"), 0.0, -float("inf")], False),
+    ([1.0, float("nan"), 3.0], True), ([float("nan"), -float("inf"), -float("inf")], True),
+    ([1.0, float("inf"), 3.0], True), ([-float("inf")] * 3, True), ([-float("inf"), float("nan"), 5.0], True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invalid_scores_are_found_in_one_pass(row, is_invalid, dtype):
+    from hf_spec.forward import has_invalid_values
+
+    batch = torch.tensor([[0.0, 1.0, 2.0], row], dtype=dtype)  # one good row, one under test
+    assert bool(has_invalid_values(batch)) == is_invalid

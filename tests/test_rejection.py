@@ -81,6 +81,17 @@ def test_sample_from_weights_never_picks_a_zero_weight_and_matches_proportions()
     assert abs(counts[3].item() - 0.75) < 0.005
 
 
+def test_sample_from_weights_at_the_top_of_the_uniform_range_stays_on_a_positive_weight(monkeypatch):
+    """u as close to 1 as float64 allows, times a total that rounds: the draw is the last positive weight, never a
+    trailing zero-weight index and never out of range."""
+    from hf_spec import rejection
+
+    monkeypatch.setattr(rejection.torch, "rand", lambda shape, **kwargs: torch.full(shape, 1 - 2**-53,
+                                                                                     dtype=torch.float64))
+    weights = torch.tensor([[0.1, 0.2, 0.0, 0.0], [0.3, 0.0, 0.7, 0.0]])
+    assert sample_from_weights(weights).tolist() == [1, 2]
+
+
 def test_same_generator_seed_reproduces_the_same_tokens():
     p = torch.softmax(torch.randn(4, 4, 10, generator=_gen(1)), dim=-1)
     q = torch.softmax(torch.randn(4, 3, 10, generator=_gen(2)), dim=-1)

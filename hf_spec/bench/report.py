@@ -143,7 +143,8 @@ def format_table(report: dict) -> str:
     )
     has_variants = any("@" in row["method"] for row in report["results"])
     has_stock = any(row["speedup_vs_stock_target_only"] is not None for row in report["results"])
-    extra = (" vs own target-only |" if has_variants else "") + (" vs stock | vs best target-only |" if has_stock else "")
+    extra = ((" vs own target-only |" if has_variants else "")
+             + (" vs stock | vs best target-only |" if has_stock else ""))
     header = header.replace("| vs transformers |", "|" + extra + " vs transformers |")
     lines = [header, "|" + "---|" * (15 + has_variants + 2 * has_stock)]
     for row in report["results"]:

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         **stats.to_dict(), "new_tokens": num_new, "speculative_tokens_per_second": num_new / speculative_seconds,
         "threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."), "target": args.target,
         "draft": args.draft,
-        "cpu_paths": {"target": getattr(target, "hf_spec_cpu_path", None), "draft": getattr(draft, "hf_spec_cpu_path", None)},
+        "cpu_paths": {role: getattr(model, "hf_spec_cpu_path", None) for role, model in (("target", target),
+                                                                                            ("draft", draft))},
     }
     if args.compare:
         started = time.perf_counter()

@@ -11,13 +11,13 @@ and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 
   with forgetting); a block size not measured yet is interpolated, or extrapolated with the slope measured so far
   (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed.
 
-k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts
-a single token so the acceptance estimate can recover, and each exploration that is rejected doubles the wait (up to
+k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts a
+single token so the acceptance estimate can recover, and each exploration that is rejected doubles the wait (up to
 `MAX_EXPLORE_EVERY`), so a draft that does not fit costs ever less. `start_from` seeds the costs with measured ones
-(`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process for ``"auto"``):
-the first rounds are then chosen from them, and where even a draft accepted every time could not beat a plain step
-(`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning. With a model-free drafter (prompt lookup) draft steps cost
-nothing and only the block cost limits k.
+(`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process for ``"auto"``): the
+first rounds are then chosen from them, and where even a draft accepted every time could not beat a plain step
+(`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning. With a
+model-free drafter (prompt lookup) draft steps cost nothing and only the block cost limits k.
 
 No state outlives a ``generate()`` call unless you pass your own instance, ``num_assistant_tokens=AutoDraftLength()``,
 to several calls: then it starts each call from what the previous ones measured (warm start).

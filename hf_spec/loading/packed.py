@@ -14,13 +14,14 @@ Paths (`PATHS`):
 - ``dense``: the weights as loaded; passes of few rows run with oneDNN switched off, blocks with it on;
 - ``packed``: the linear weights prepacked for oneDNN (a tied output layer stays as it is), the rest as ``dense``.
 
-`optimize` measures them on the model and keeps the fastest for its role: ``"target"``, a target that verifies
-blocks (a step and blocks of 2 to 8 tokens weigh alike), or ``"steps"``, a model that mostly runs 1-token steps (a
-draft, or a target decoding alone). The two can differ: on the machine above the packed path's 6-token block costs
-about as much as the dense path's step, but its step costs about 15% more than the dense path's. Weights are never duplicated: each layer is packed in place of its dense weight (``deoptimize`` restores
-them exactly). Every method then runs on the same optimized weights, so a comparison with target-only decoding is
-fair; p is whatever the optimized model computes, which rounds differently from the stock model, so the output law
-is exactly target-only decoding *with the optimized model*.
+`optimize` measures them on the model and keeps the fastest for its role: ``"target"``, a target that verifies blocks
+(a step and blocks of 2 to 8 tokens weigh alike), or ``"steps"``, a model that mostly runs 1-token steps (a draft, or
+a target decoding alone). The two can differ: on the machine above the packed path's 6-token block costs about as much
+as the dense path's step, but its step costs about 15% more than the dense path's. Weights are never duplicated: each
+layer is packed in place of its dense weight (``deoptimize`` restores them exactly). Every method then runs on the
+same optimized weights, so a comparison with target-only decoding is fair; p is whatever the optimized model computes,
+which rounds differently from the stock model, so the output law is exactly target-only decoding *with the optimized
+model*.
 """
 
 from __future__ import annotations
