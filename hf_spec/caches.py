@@ -56,3 +56,22 @@ def crop_to(cache: Cache, length: int) -> None:
 def select_rows(cache: Cache, rows: torch.Tensor) -> None:
     """Keep only ``rows`` ``[kept]`` (batch indices) of the cache: finished rows leave it."""
     cache.batch_select_indices(rows)
+
+
+def fit_prompt(cache: Cache, prompt_length: int) -> None:
+    """Make a cache the caller filled hold a prefix of the prompt shorter than it (the invariant), as transformers
+    does: one holding the whole prompt gives back its last position, whose token the first pass feeds again (the
+    same keys and values come back); one holding more than the prompt is refused.
+
+    Args:
+        prompt_length: tokens in ``input_ids`` (padding included).
+    """
+    length = cache_length(cache)
+    if length > prompt_length:
+        raise ValueError(
+            f"`cache` holds {length} positions, but `input_ids` has only {prompt_length} tokens per row: pass as "
+            "`input_ids` the whole sequence the cache was built from (the prompt and what followed), as "
+            "transformers expects."
+        )
+    if length == prompt_length:
+        crop_to(cache, prompt_length - 1)

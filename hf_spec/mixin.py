@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_spec.caches import prepare_for_rollback
+from hf_spec.caches import fit_prompt, prepare_for_rollback
 from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
 from hf_spec.drafting import AutoDraftLength, Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
@@ -44,10 +45,16 @@ from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
     resolve_num_draft_tokens,
     resolve_prompt_lookup,
+    validate_draft_length_limit,
+    validate_generator,
+    validate_input_types,
+    validate_input_values,
     validate_model_kwargs,
     validate_speculative_call,
 )
 from logits_processors import check_processors
+
+logger = logging.getLogger(__name__)
 
 # The hooks this module overrides; fail at import rather than silently run transformers' non-exact loop.
 check_generation_hooks()
@@ -89,6 +96,10 @@ class SpeculativeGenerationMixin(GenerationMixin):
     def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None, **kwargs):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
+            # before transformers' own input handling, which fails on these without naming the argument
+            validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
+                                 kwargs.get("attention_mask"))
         num_assistant_tokens = kwargs.get("num_assistant_tokens",
                                           getattr(generation_config, "num_assistant_tokens", None))
         token = _CALL_OPTIONS.set(_CallOptions(generator=generator, num_assistant_tokens=num_assistant_tokens))
@@ -129,21 +140,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
                 assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
             )
-        if synced_gpus:
-            raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
-        batch_size = input_ids.shape[0]
-        pad_token = pad_token_tensor(generation_config)
-        if batch_size > 1 and pad_token is None:
-            raise ValueError(
-                f"A batch of {batch_size} rows needs `pad_token_id` (finished rows are padded with it), but neither "
-                "`pad_token_id` nor `eos_token_id` is set; pass `pad_token_id=` to generate()."
-            )
-        if batch_size > 1 and streamer is not None:
-            raise ValueError(f"`streamer` supports a batch of one row, but `input_ids` has {batch_size} rows.")
-        validate_model_kwargs(model_kwargs)
-        check_processors(logits_processor)
-        target_cache = model_kwargs["cache"]
-        prepare_for_rollback(target_cache, "cache")
+        target_cache, pad_token_id = self._check_assisted_call(input_ids, generation_config, synced_gpus, streamer,
+                                                               assistant_model, logits_processor, model_kwargs)
         options = _call_options()
         prompt_lookup_num_tokens, ngram_size = resolve_prompt_lookup(generation_config)
         draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
@@ -160,19 +158,47 @@ class SpeculativeGenerationMixin(GenerationMixin):
             logits_processor=logits_processor,
             stopping_criteria=stopping_criteria,
             generation_config=generation_config,
-            pad_token_id=0 if pad_token is None else int(pad_token.view(-1)[0]),
+            pad_token_id=pad_token_id,
             generator=options.generator,
             streamer=streamer,
         )
         if not generation_config.return_dict_in_generate:
             return result.sequences
+        if input_ids.shape[0] > 1:
+            _warn_no_batched_cache()
         return SpeculativeDecoderOnlyOutput(
             sequences=result.sequences,
             scores=result.scores,
             logits=result.logits,
-            cache=target_cache,
+            cache=target_cache if input_ids.shape[0] == 1 else None,
             speculative_stats=result.stats,
         )
+
+    def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, assistant_model,
+                             logits_processor, model_kwargs):
+        """``(target cache, pad id)`` once everything the loop cannot do exactly has been refused by name."""
+        if synced_gpus:
+            raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
+        batch_size = input_ids.shape[0]
+        pad_token = pad_token_tensor(generation_config)
+        if batch_size > 1 and pad_token is None:
+            raise ValueError(
+                f"A batch of {batch_size} rows needs `pad_token_id` (finished rows are padded with it), but neither "
+                "`pad_token_id` nor `eos_token_id` is set; pass `pad_token_id=` to generate()."
+            )
+        if batch_size > 1 and streamer is not None:
+            raise ValueError(f"`streamer` supports a batch of one row, but `input_ids` has {batch_size} rows.")
+        validate_model_kwargs(model_kwargs)
+        attention_mask = model_kwargs.get("attention_mask")
+        validate_input_types(input_ids, attention_mask)
+        validate_input_values(input_ids, attention_mask, self.config.get_text_config().vocab_size)
+        validate_generator(_call_options().generator, self)
+        validate_draft_length_limit(assistant_model, generation_config.max_length)
+        check_processors(logits_processor)
+        target_cache = model_kwargs["cache"]
+        prepare_for_rollback(target_cache, "cache")
+        fit_prompt(target_cache, input_ids.shape[1])
+        return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
 
 
 def speculative(model: PreTrainedModel) -> PreTrainedModel:
@@ -222,6 +248,17 @@ def without_speculation(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         yield model
     finally:
         model.__class__ = speculative_class
+
+
+@functools.cache
+def _warn_no_batched_cache() -> None:
+    """Once per process: why ``cache`` is ``None`` for batches."""
+    logger.warning(
+        "speculative generate() returns `cache=None` for a batch of several rows: its caches dropped the rows that "
+        "finished and keep masked holes where rows rejected drafts, so they do not line up with `sequences`. To "
+        "continue, call generate() again with the returned sequences (and their attention mask). Batches of one row "
+        "get their cache back."
+    )
 
 
 @functools.cache

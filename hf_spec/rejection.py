@@ -73,10 +73,10 @@ def accept_draft_tokens(
             token, then ``NOT_EMITTED``.
         num_accepted: ``[batch]`` int64 in ``[0, k]``.
     """
-    batch_size, k = draft_ids.shape
+    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
     vocab_size = target_probs.shape[-1]
-    assert draft_probs.shape == (batch_size, k, vocab_size), (draft_probs.shape, draft_ids.shape)
-    assert target_probs.shape == (batch_size, k + 1, vocab_size), (target_probs.shape, draft_ids.shape)
+    _check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
+    _check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
 
     # 1. Accept x_i while u_i < p_i(x_i) / q_i(x_i), written u_i * q < p so that nothing is divided. Float64 for
     #    the comparison; u in [0, 1) so a token with p = 0 is rejected even when u is exactly 0. q = 0 for a drafted
@@ -111,12 +111,22 @@ def accept_greedy(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple
     Returns:
         The same ``(output_ids [batch, k + 1], num_accepted [batch])`` as :func:`accept_draft_tokens`.
     """
-    batch_size, k = draft_ids.shape
-    assert target_scores.shape[:2] == (batch_size, k + 1), (target_scores.shape, draft_ids.shape)
+    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
+    _check_shape("target_scores", target_scores, 3, (batch_size, k + 1, target_scores.shape[-1]))
     target_ids = target_scores.argmax(dim=-1)  # [batch, k + 1]
     num_accepted = (draft_ids == target_ids[:, :k]).long().cumprod(dim=-1).sum(dim=-1)  # [batch]
     next_ids = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [batch]
     return _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+
+
+def _check_shape(name: str, tensor: torch.Tensor, dims: int, expected: tuple[int, ...] | None = None) -> tuple:
+    """``tensor.shape``; ``ValueError`` naming ``name`` unless it has ``dims`` dimensions (and ``expected``)."""
+    shape = tuple(tensor.shape)
+    if len(shape) != dims or (expected is not None and shape != expected):
+        wanted = f"shape {expected}" if expected is not None else f"{dims} dimensions"
+        raise ValueError(f"`{name}` must have {wanted} (batch, block positions, vocabulary as documented), but has "
+                         f"shape {shape}.")
+    return shape
 
 
 def _assemble_output(draft_ids: torch.Tensor, num_accepted: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -149,3 +150,82 @@ def validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:
             f"Model inputs {unsupported} are not supported with `assistant_model`; hf_spec feeds `input_ids`, "
             "`attention_mask` and positions only."
         )
+
+
+def validate_input_types(input_ids: Any, attention_mask: Any) -> None:
+    """``input_ids`` a ``[batch, length]`` integer tensor with at least one token; ``attention_mask`` a tensor of its
+    shape. No host synchronization."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"`input_ids` must be a torch.Tensor of token ids (tokenize with return_tensors='pt'), but is "
+                        f"{type(input_ids).__name__}.")
+    if input_ids.dim() != 2:
+        raise ValueError(f"`input_ids` must have shape [batch, length], but has shape {tuple(input_ids.shape)}; add "
+                         "the batch dimension with input_ids.unsqueeze(0).")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"`input_ids` must hold integer token ids, but has dtype {input_ids.dtype}.")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"`input_ids` must hold at least one token per row, but has shape {tuple(input_ids.shape)}: "
+                         "speculative decoding continues a prompt (start it with the BOS token if you have none).")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"`attention_mask` must be a torch.Tensor, but is {type(attention_mask).__name__}.")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}, but has "
+                         f"{tuple(attention_mask.shape)}.")
+
+
+def validate_input_values(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, vocab_size: int) -> None:
+    """Ids within the target's vocabulary; a mask of 0 and 1 with left padding only, a real token in every row.
+    One host synchronization for all of it."""
+    checks = [input_ids.min(), input_ids.max()]
+    if attention_mask is not None:
+        mask = attention_mask.long()
+        checks += [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), (mask.sum(dim=1) == 0).any()]
+    low, high, *mask_flags = torch.stack([value.long() for value in checks]).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"`input_ids` holds ids from {low} to {high}, but the model's vocabulary has {vocab_size} ids "
+                         f"(0 to {vocab_size - 1}).")
+    is_not_binary, is_right_padded, has_empty_row = mask_flags or (False, False, False)
+    if is_not_binary:
+        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token).")
+    if is_right_padded:
+        raise ValueError(
+            "`attention_mask` has padding after a token in some row (right padding). Speculative decoding continues "
+            "every row from its last token, so rows must be left-padded: set `tokenizer.padding_side = 'left'` "
+            "before tokenizing the batch."
+        )
+    if has_empty_row:
+        raise ValueError("`attention_mask` has a row with no token at all (every entry 0).")
+
+
+def validate_generator(generator: torch.Generator | None, model: PreTrainedModel) -> None:
+    """The ``generator`` must draw on the device the models compute on."""
+    if generator is not None and generator.device.type != model.device.type:
+        raise ValueError(f"`generator` draws on {generator.device}, but the model runs on {model.device}: create it "
+                         f"there, e.g. torch.Generator({str(model.device)!r}).manual_seed(seed).")
+
+
+def validate_draft_length_limit(draft: PreTrainedModel | None, max_length: int) -> None:
+    """Refuse, before the first round, a draft whose learned position table is shorter than the longest sequence the
+    call may reach (models with rotary or ALiBi positions have no such limit)."""
+    if draft is None:
+        return
+    table = _position_table(draft)
+    if table is not None and max_length > table:
+        raise ValueError(
+            f"`assistant_model` has a table of {table} learned positions, but this call may reach {max_length} "
+            "tokens (prompt + max_new_tokens); lower `max_new_tokens` or use a draft with a longer context."
+        )
+
+
+def _position_table(model: PreTrainedModel) -> int | None:
+    """Positions a model's learned position embeddings hold (GPT-2's ``wpe``, OPT's ``embed_positions``...), or
+    ``None`` when it has none."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
+            return module.num_embeddings - getattr(module, "offset", 0)
+    return None
+
+
+_POSITION_TABLES = frozenset({"wpe", "embed_positions", "position_embeddings"})

@@ -80,8 +80,10 @@ def process_block(
     Returns:
         ``[batch, k + 1, vocab]`` processed scores, a new tensor.
     """
-    batch_size, k = block_ids.shape
-    assert logits.shape[:2] == (batch_size, k + 1), (logits.shape, block_ids.shape)
+    if block_ids.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != (block_ids.shape[0], block_ids.shape[1] + 1):
+        raise ValueError(f"`logits` must have shape [batch, k + 1, vocab] for `block_ids` of shape [batch, k] = "
+                         f"{tuple(block_ids.shape)}, but has shape {tuple(logits.shape)}.")
+    batch_size = block_ids.shape[0]
     if prefix_lengths is None:
         sequence_ids = torch.cat([prefix_ids, block_ids], dim=1)  # [batch, len + k]
         prefix_lengths = torch.full((batch_size,), prefix_ids.shape[1], device=prefix_ids.device)

@@ -139,7 +139,9 @@ def sequence_bias_block(processor, sequence_ids, prefix_lengths, scores):
 
 def prefix_constrained_block(processor, sequence_ids, prefix_lengths, scores):
     """``prefix_allowed_tokens_fn(batch_id, prefix)`` for every row and position, with each row's own batch id."""
-    assert num_beams(processor) == 1, "speculative decoding runs without beams"
+    if num_beams(processor) != 1:
+        raise ValueError(f"`prefix_allowed_tokens_fn` was set up for {num_beams(processor)} beams; speculative "
+                         "decoding runs without beams (num_beams=1).")
     mask = torch.full_like(scores, float("-inf"))  # [batch, k + 1, vocab]
     for batch_id, lengths in enumerate(position_lengths(prefix_lengths, scores).tolist()):
         for position, length in enumerate(lengths):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -13,8 +14,9 @@ from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import DEFAULT_METHODS, METHODS, SETTINGS, method_spec, run_benchmark
 from hf_spec.bench.workloads import WORKLOADS, random_workloads, text_workloads
 from hf_spec.cli.common import load_models, positive_int
+from hf_spec.drafting.vocabulary import prune_vocabulary
 from hf_spec.loading.packed import optimize
-from hf_spec.loading.pair import TINY, place_draft
+from hf_spec.loading.pair import TINY, draft_vocabulary, place_draft
 from hf_spec.loading.pretrained import load
 from hf_spec.loading.quantization import SCHEMES, quantized_copy
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE, build_tiny_pair
@@ -51,6 +53,9 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-variants", nargs="+", default=[], metavar="DRAFT",
                         help="also run every method that uses a draft with each of these drafts (built-in name or "
                              "folder, e.g. a distilled draft; reported as <method>@<folder name>)")
+    parser.add_argument("--draft-vocab-variants", nargs="+", type=positive_int, default=[], metavar="N",
+                        help="also run every method that uses a draft with the draft's output layer cut to its N most "
+                             "frequent ids (reported as <method>@vocab<N>; ranked on --draft-vocab-corpus)")
     parser.add_argument("--prompts", type=positive_int, default=3, help="prompts per workload (default: %(default)s)")
     parser.add_argument("--offset", type=int, default=0,
                         help="skip this many prompts of each workload (hold out what a draft was trained on)")
@@ -78,8 +83,9 @@ def _kernel_baselines(args: argparse.Namespace, pair) -> dict:
     return baselines
 
 
-def _variants(args: argparse.Namespace, target, tokenizer) -> dict:
+def _variants(args: argparse.Namespace, pair) -> dict:
     """``--variants``: the target again, quantized with each scheme; ``--draft-variants``: (target, other draft)."""
+    target, tokenizer = pair.target, pair.tokenizer
     pair_dtype = target.dtype if target.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     if args.quantize in args.variants:
         raise SystemExit(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
@@ -101,6 +107,12 @@ def _variants(args: argparse.Namespace, target, tokenizer) -> dict:
         except ValueError as error:
             raise SystemExit(f"--draft-variants {name} does not fit --target {args.target}: {error}") from None
         variants[label] = (target, place_draft(draft, target, args.quantize_draft))
+    for size in args.draft_vocab_variants:
+        draft = copy.deepcopy(pair.draft)
+        prune_vocabulary(draft, draft_vocabulary(draft, pair.tokenizer, size, args.draft_vocab_corpus))
+        if not args.no_optimize:
+            optimize(draft, role="steps")
+        variants[f"vocab{size}"] = (target, draft)
     return variants
 
 
@@ -115,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"--prompts/--offset: {error}") from None
     methods = tuple(dict.fromkeys(["target_only", *args.methods]))
-    variants = _variants(args, pair.target, pair.tokenizer)
+    variants = _variants(args, pair)
     methods = (*methods, *(f"{method}@{label}" for label, variant in variants.items() for method in methods
                            if not isinstance(variant, tuple) or method_spec(method, 1).uses_draft))
     baselines = _kernel_baselines(args, pair)

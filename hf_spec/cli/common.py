@@ -43,6 +43,11 @@ def model_arguments() -> argparse.ArgumentParser:
                         help="load the target's linear layers quantized by bitsandbytes (8bit, or 4-bit nf4/fp4; "
                              "the rest in --dtype), spread over the devices with device_map='auto'")
     parser.add_argument("--quantize-draft", default=None, choices=SCHEMES, help="as --quantize, for the draft")
+    parser.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
+                        help="keep only the draft's N most frequent output ids (FR-Spec; exact: q = 0 elsewhere)")
+    parser.add_argument("--draft-vocab-corpus", default="stdlib",
+                        help="texts ranking the ids for --draft-vocab: humaneval, humaneval-solutions, stdlib or a "
+                             "file (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the tiny pair and sampling")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: torch's choice)")
@@ -74,7 +79,8 @@ def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None
     try:
         pair = load_pair(args.target, args.draft, dtype=dtype_of(args), quantize=args.quantize,
                          quantize_draft=args.quantize_draft, draft_dtype=draft_dtype, seed=args.seed,
-                         optimize_kernels=optimize and not args.no_optimize)
+                         optimize_kernels=optimize and not args.no_optimize, draft_vocab=args.draft_vocab,
+                         draft_vocab_corpus=args.draft_vocab_corpus)
     except ValueError as error:
         raise SystemExit(f"--target {args.target} --draft {args.draft}: {error}") from None
     if pair.tokenizer is None:

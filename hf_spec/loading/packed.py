@@ -37,6 +37,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
+from hf_spec.loading.cpu import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ def _pack(model: nn.Module) -> bool:
                 _unpack(model)
             logger.info("oneDNN cannot prepack %s weights here: %s", linear.weight.dtype, error)
             return False
+    release_freed_memory()
     return True
 
 

@@ -10,13 +10,25 @@ What the command line does for every subcommand, as a library call for notebooks
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from hf_spec.checks import check_int
+from hf_spec.drafting.vocabulary import (
+    frequent_token_ids,
+    load_token_counts,
+    prune_vocabulary,
+    pruned_size,
+    save_token_counts,
+    token_counts,
+)
+from hf_spec.evaluation.continuations import eos_token_ids
+from hf_spec.evaluation.corpora import load_texts
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.packed import CpuPath, optimize
-from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
+from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir, load
 from hf_spec.loading.quantization import first_device, quantized_copy
 from hf_spec.loading.tiny import build_tiny_pair
 from hf_spec.mixin import speculative
@@ -38,8 +50,12 @@ class Pair:
     draft_path: CpuPath | None = None
 
     def describe(self) -> str:
+        vocabulary = pruned_size(self.draft)
+        full = self.draft.config.get_text_config().vocab_size
+        kept = f", output layer {vocabulary} of {full} ids" if vocabulary else ""
         lines = [(f"target: {self.target.name_or_path or 'tiny'} ({str(self.target.dtype).removeprefix('torch.')}), "
-                 f"draft: {self.draft.name_or_path or 'tiny'} ({str(self.draft.dtype).removeprefix('torch.')})")]
+                  f"draft: {self.draft.name_or_path or 'tiny'} ({str(self.draft.dtype).removeprefix('torch.')}"
+                  f"{kept})")]
         for role, path in (("target", self.target_path), ("draft", self.draft_path)):
             if path is not None:
                 lines.append(f"{role} {path.describe()}")
@@ -48,7 +64,8 @@ class Pair:
 
 def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype: torch.dtype | str = "auto",
               quantize: str | None = None, quantize_draft: str | None = None, draft_dtype: torch.dtype | None = None,
-              optimize_kernels: bool = True, seed: int = 0) -> Pair:
+              optimize_kernels: bool = True, draft_vocab: int | None = None, draft_vocab_corpus: str = "stdlib",
+              seed: int = 0) -> Pair:
     """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"`` for both).
 
     Args:
@@ -60,6 +77,9 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
         quantize, quantize_draft: a bitsandbytes scheme (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; the
             quantized target is spread by ``device_map="auto"``, and the draft goes to its first device.
         draft_dtype: the draft's weights when they should differ (training keeps float32).
+        draft_vocab: keep only the draft's N most frequent output ids (FR-Spec, `hf_spec.drafting.vocabulary`),
+            ranked on ``draft_vocab_corpus`` (a `hf_spec.evaluation.corpora` source; the counts are saved beside the
+            draft and reused). The tiny pair keeps ids 0 .. N - 1.
         seed: seeds the tiny pair's weights.
 
     Raises:
@@ -86,10 +106,29 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
         except ValueError as error:
             raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
     pair = Pair(speculative(target_model), place_draft(draft_model, target_model, quantize_draft), tokenizer)
+    if draft_vocab is not None:
+        prune_vocabulary(pair.draft, draft_vocabulary(pair.draft, tokenizer, draft_vocab, draft_vocab_corpus))
     if optimize_kernels:
         pair.target_path = optimize(pair.target, role="target")
         pair.draft_path = optimize(pair.draft, role="steps")
     return pair
+
+
+def draft_vocabulary(draft: PreTrainedModel, tokenizer, size: int, corpus: str) -> list[int]:
+    """The ``size`` ids the draft keeps: the most frequent in ``corpus`` (counted once, saved beside the draft as
+    ``token_counts-<corpus>.json``), with the tokenizer's special ids and the draft's EOS always in."""
+    check_int("draft_vocab", size)
+    if tokenizer is None:  # the tiny pair: no text to count
+        return list(range(min(size, draft.get_output_embeddings().out_features)))
+    folder = Path(draft.name_or_path) if Path(draft.name_or_path).is_dir() else cache_dir()
+    path = folder / f"token_counts-{Path(corpus).name}.json"
+    if path.exists():
+        counts = load_token_counts(path)
+    else:
+        counts = token_counts(tokenizer, load_texts(corpus))
+        save_token_counts(counts, path, corpus)
+    always = set(tokenizer.all_special_ids) | eos_token_ids(draft)
+    return frequent_token_ids(counts, size, always=sorted(always))
 
 
 def place_draft(draft: PreTrainedModel, target: PreTrainedModel, draft_quantization: str | None) -> PreTrainedModel:

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_spec.compat import drop_gguf_quantizer
+from hf_spec.loading.cpu import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
         kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, dtype)}
         check_quantizable(AutoConfig.from_pretrained(location), quantize, kwargs["device_map"])
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
+    release_freed_memory()
     return model, AutoTokenizer.from_pretrained(location)
 
 
