@@ -56,6 +56,10 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab-variants", nargs="+", type=positive_int, default=[], metavar="N",
                         help="also run every method that uses a draft with the draft's output layer cut to its N most "
                              "frequent ids (reported as <method>@vocab<N>; ranked on --draft-vocab-corpus)")
+    parser.add_argument("--kernel-baselines", nargs="*", default=["stock", "steps"], choices=["stock", "steps"],
+                        help="target-only decoding beside the optimized pair on another copy of the target: as loaded "
+                             "(stock) and on the path fastest for steps (steps); each copy holds the target's weights "
+                             "again (default: both)")
     parser.add_argument("--prompts", type=positive_int, default=3, help="prompts per workload (default: %(default)s)")
     parser.add_argument("--offset", type=int, default=0,
                         help="skip this many prompts of each workload (hold out what a draft was trained on)")
@@ -72,7 +76,7 @@ def _kernel_baselines(args: argparse.Namespace, pair) -> dict:
     if args.no_optimize or args.quantize:
         return {}
     baselines = {}
-    for label in ("stock", "steps"):
+    for label in dict.fromkeys(args.kernel_baselines):
         if args.target == TINY:
             model = build_tiny_pair(seed=args.seed)[0]
         else:

@@ -12,12 +12,14 @@ and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 
   (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed.
 
 k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts a
-single token so the acceptance estimate can recover, and each exploration that is rejected doubles the wait (up to
-`MAX_EXPLORE_EVERY`), so a draft that does not fit costs ever less. `start_from` seeds the costs with measured ones
-(`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process for ``"auto"``): the
-first rounds are then chosen from them, and where even a draft accepted every time could not beat a plain step
-(`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning. With a
-model-free drafter (prompt lookup) draft steps cost nothing and only the block cost limits k.
+single token so the acceptance estimate can recover, and each exploration that fails doubles the wait (up to
+`MAX_EXPLORE_EVERY`), so a draft that does not fit costs ever less. The clock has the last word: once rounds that
+drafted have measurably emitted fewer tokens per second than plain target steps, k is 0 until an exploration says
+otherwise (the cost model misses costs such as the draft catching up on skipped tokens). `start_from` seeds the costs
+with measured ones (`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process for
+``"auto"``): the first rounds are then chosen from them, and where even a draft accepted every time could not beat a
+plain step (`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning.
+With a model-free drafter (prompt lookup) draft steps cost nothing and only the block cost limits k.
 
 No state outlives a ``generate()`` call unless you pass your own instance, ``num_assistant_tokens=AutoDraftLength()``,
 to several calls: then it starts each call from what the previous ones measured (warm start).
@@ -37,8 +39,10 @@ from hf_spec.drafting.speedup import predicted_speedup
 DEFAULT_NUM_DRAFT_TOKENS = 5
 #: Drafted tokens per round at most with ``num_assistant_tokens="auto"``, unless the caller says otherwise.
 DEFAULT_MAX_DRAFT_TOKENS = 10
-#: The longest wait between exploration rounds once explorations keep being rejected.
+#: The longest wait between exploration rounds once explorations keep failing.
 MAX_EXPLORE_EVERY = 128
+#: Rounds (after forgetting) of each kind, drafting and plain, before their measured speeds overrule the cost model.
+RATE_EVIDENCE = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,7 @@ class AutoDraftLength:
         self._explore_wait = explore_every  # grows while explorations are rejected
         self._is_exploring = False
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 throughout
+        self._rate = {True: _Mean(decay), False: _Mean(decay)}  # tokens per second of rounds that drafted, or not
         self.has_costs = False
         self.chosen: list[int] = []  # k of every round, in order (across calls when reused)
 
@@ -131,6 +136,7 @@ class AutoDraftLength:
         for size, seconds in costs.target_block_seconds.items():
             if size <= self.max_draft_tokens + 1:
                 self._block.setdefault(size, _Mean(self._decay)).add(seconds, weight)
+        self._rate[False].add(1.0 / costs.target_step_seconds, RATE_EVIDENCE)  # a plain step's tokens per second
         self.has_costs = True
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0
@@ -176,6 +182,8 @@ class AutoDraftLength:
             draft_step = self._draft_step.get(0.0)  # 0 until a draft model ran (prompt lookup costs nothing)
             blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
             k = best_draft_length(self.acceptance(), draft_step, blocks)
+            if k > 0 and self._is_drafting_slower():
+                k = 0  # the cost model says draft, the clock says no: trust the clock, explore later
         k = min(k, limit)
         self._rounds_without_draft = self._rounds_without_draft + 1 if k == 0 else 0
         self.chosen.append(k)
@@ -193,10 +201,21 @@ class AutoDraftLength:
         for accepted in num_accepted:
             for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
                 self._accepted[position].add(float(position < accepted))
-        if self._is_exploring and num_draft_tokens > 0:
-            is_rejected = max(num_accepted, default=0) == 0
-            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_rejected else self.explore_every
         if verify_seconds is not None:
             if num_model_steps > 0:
                 self._draft_step.add(draft_seconds / num_model_steps)
             self._block.setdefault(num_draft_tokens + 1, _Mean(self._decay)).add(verify_seconds)
+            emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
+            self._rate[num_draft_tokens > 0].add(emitted / (draft_seconds + verify_seconds))
+        if self._is_exploring and num_draft_tokens > 0:
+            is_failed = max(num_accepted, default=0) == 0 or self._is_drafting_slower()
+            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_failed else self.explore_every
+
+    def _is_drafting_slower(self) -> bool:
+        """Whether rounds that drafted have emitted fewer tokens per second than plain target steps, both measured
+        (a few rounds each): the cost model misses what the clock sees, e.g. the draft catching up on the tokens
+        it skipped, or a draft step that costs more with two tokens than with one."""
+        drafting, plain = self._rate[True], self._rate[False]
+        if drafting.weight < RATE_EVIDENCE or plain.weight < RATE_EVIDENCE:
+            return False
+        return drafting.get(0.0) < plain.get(0.0)
