@@ -104,8 +104,8 @@ def speculative_decode(
 
             # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
             num_kept, is_done = batch.count_until_stop(stopping_criteria, output_ids, [n + 1 for n in num_accepted])
-            recorder.record(batch.active_rows.tolist(), output_ids, block_scores, block_logits, num_kept)
-            stats.record_round(k, num_accepted, num_kept, batch.active_rows.tolist(), input_ids.shape[0])
+            recorder.record(batch.active_list, output_ids, block_scores, block_logits, num_kept)
+            stats.record_round(k, num_accepted, num_kept, batch.active_list, input_ids.shape[0])
             draft_length.update(k, num_accepted, timer.draft_seconds, proposal.num_model_steps,
                                 None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1 holds the prefill
 

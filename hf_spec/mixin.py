@@ -147,7 +147,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
         draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
         if isinstance(draft_length, AutoDraftLength) and not draft_length.has_costs:
             # measured once per process and models: auto k starts from the costs instead of exploring
-            draft_length.start_from(probe_costs(self, assistant_model, draft_length.max_draft_tokens))
+            draft_model = assistant_model if isinstance(assistant_model, PreTrainedModel) else None
+            draft_length.start_from(probe_costs(self, draft_model, draft_length.max_draft_tokens))
         result = speculative_decode(
             self,
             make_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size),
@@ -223,8 +224,12 @@ def _is_our_prompt_lookup(generation_config) -> bool:
     )
 
 
-def make_drafter(draft: PreTrainedModel | None, prompt_lookup_num_tokens: int | None, ngram_size: int) -> Drafter:
-    """A draft model, prompt lookup, or prompt lookup first and the draft model when no n-gram matches."""
+def make_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num_tokens: int | None,
+                 ngram_size: int) -> Drafter:
+    """A draft model, prompt lookup, or prompt lookup first and the draft model when no n-gram matches; a `Drafter`
+    passed as ``assistant_model`` is used as it is (a fresh state for each call is its own business)."""
+    if isinstance(draft, Drafter):
+        return draft
     lookup = PromptLookupDrafter(max_ngram_size=ngram_size) if prompt_lookup_num_tokens is not None else None
     if draft is None:
         return lookup

@@ -37,6 +37,7 @@ class RaggedBatch:
     row_ids: torch.Tensor  # [batch, width]: prompt + generated tokens, then pad; width = max(lengths)
     lengths: list[int]  # [batch]: the real length of each row
     active_rows: torch.Tensor  # [active] int64: rows still generating, as indices into the batch
+    active_list: list[int]  # the same on the host, so that bookkeeping never waits for the device
     model_ids: torch.Tensor  # [active, columns]: the last column is every active row's newest token
     model_mask: torch.Tensor | None  # [active, columns]; None only for one row without padding (no holes ever)
     pad_token_id: int
@@ -48,7 +49,7 @@ class RaggedBatch:
             attention_mask = torch.ones_like(input_ids)
         return cls(
             row_ids=input_ids, lengths=[prompt_length] * batch_size,
-            active_rows=torch.arange(batch_size, device=input_ids.device),
+            active_rows=torch.arange(batch_size, device=input_ids.device), active_list=list(range(batch_size)),
             model_ids=input_ids, model_mask=attention_mask, pad_token_id=pad_token_id,
         )
 
@@ -61,7 +62,7 @@ class RaggedBatch:
         return self.active_rows.shape[0]
 
     def active_lengths(self) -> list[int]:
-        return [self.lengths[row] for row in self.active_rows.tolist()]
+        return [self.lengths[row] for row in self.active_list]
 
     def to_batch(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """``[active, ...]`` -> ``[batch, ...]``, finished rows filled with ``fill``."""
@@ -139,7 +140,7 @@ class RaggedBatch:
         """
         # 1. Processors' view: every row gets its kept tokens.
         new_lengths = list(self.lengths)
-        for a, row in enumerate(self.active_rows.tolist()):
+        for a, row in enumerate(self.active_list):
             new_lengths[row] += num_kept[a]
         width = max(new_lengths)
         row_ids, _ = self.row_view(output_ids[:, : max(num_kept)])
@@ -153,30 +154,33 @@ class RaggedBatch:
         # 2. Models' view: continuing rows, holes where a row accepted fewer tokens than the most-accepting one.
         staying = [a for a in range(self.num_active) if not is_done[a]]
         if not staying:  # the last round: every row's kept tokens, holes after a row's last one
-            self._append_columns(output_ids, torch.tensor(num_kept, device=output_ids.device), None)
-            self.active_rows = self.active_rows[:0]
+            self._append_columns(output_ids, num_kept, None)
+            self.active_rows, self.active_list = self.active_rows[:0], []
             return None, self.model_ids.shape[1] - 1
         keep = None if len(staying) == self.num_active else torch.tensor(staying, device=output_ids.device)
         if keep is not None:
             output_ids, self.model_ids = output_ids[keep], self.model_ids[keep]
             self.model_mask = None if self.model_mask is None else self.model_mask[keep]
             self.active_rows = self.active_rows[keep]
-        accepted = torch.tensor([num_accepted[a] for a in staying], device=output_ids.device)  # [active]
-        self._append_columns(output_ids, accepted, output_ids.gather(1, accepted[:, None]))
+            self.active_list = [self.active_list[a] for a in staying]
+        accepted = [num_accepted[a] for a in staying]
+        last = output_ids.gather(1, torch.tensor(accepted, device=output_ids.device)[:, None])  # [active, 1]
+        self._append_columns(output_ids, accepted, last)
         return keep, self.model_ids.shape[1] - 1
 
-    def _append_columns(self, output_ids: torch.Tensor, counts: torch.Tensor, last: torch.Tensor | None) -> None:
+    def _append_columns(self, output_ids: torch.Tensor, counts: list[int], last: torch.Tensor | None) -> None:
         """Append ``counts[a]`` tokens of ``output_ids`` ``[active, k + 1]`` per row, holes up to the longest, then
         ``last`` ``[active, 1]`` (every row's newest token, one shared column) when given."""
         columns = self.model_ids.shape[1]
-        most = int(counts.max())
-        is_kept = torch.arange(most, device=output_ids.device) < counts[:, None]  # [active, most]
+        most = max(counts)
+        counts_tensor = torch.tensor(counts, device=output_ids.device)  # [active]
+        is_kept = torch.arange(most, device=output_ids.device) < counts_tensor[:, None]  # [active, most]
         new_ids = [output_ids[:, :most].masked_fill(~is_kept, self.pad_token_id)]
         new_mask = [is_kept.long()]
         if last is not None:
             new_ids.append(last)
             new_mask.append(torch.ones_like(last))
         self.model_ids = torch.cat([self.model_ids, *new_ids], dim=1)
-        if self.model_mask is not None or not bool(is_kept.all()):
+        if self.model_mask is not None or min(counts) < most:
             mask = self.model_mask if self.model_mask is not None else torch.ones_like(self.model_ids[:, :columns])
             self.model_mask = torch.cat([mask, *(m.to(mask.dtype) for m in new_mask)], dim=1)

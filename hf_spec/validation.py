@@ -10,6 +10,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
 from hf_spec.checks import check_int, is_int_at_least
+from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.draft_length import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -32,7 +33,7 @@ def resolve_num_draft_tokens(
     ``num_assistant_tokens`` only from the draft's config; here the call wins.
     """
     value = call_value
-    if value is None and draft is not None:
+    if value is None and isinstance(draft, PreTrainedModel):
         value = getattr(draft.generation_config, "num_assistant_tokens", None)
     if value is None:
         value = prompt_lookup_num_tokens
@@ -68,11 +69,14 @@ def validate_speculative_call(
 ) -> None:
     """Refuse what the speculative loop cannot do exactly, before any forward pass.
 
-    ``draft`` is ``None`` for prompt lookup alone. May set ``generation_config.do_sample = False`` when
-    ``temperature == 0`` (documented: greedy decoding).
+    ``draft`` is ``None`` for prompt lookup alone, or a `hf_spec.drafting.Drafter` of your own. May set
+    ``generation_config.do_sample = False`` when ``temperature == 0`` (documented: greedy decoding).
     """
-    if draft is not None and not isinstance(draft, PreTrainedModel):
-        raise TypeError(f"`assistant_model` must be a transformers PreTrainedModel, but is {type(draft).__name__}.")
+    if draft is not None and not isinstance(draft, (PreTrainedModel, Drafter)):
+        raise TypeError(f"`assistant_model` must be a transformers PreTrainedModel or an hf_spec Drafter, but is "
+                        f"{type(draft).__name__}.")
+    if isinstance(draft, Drafter):
+        draft = None  # a drafter of your own: nothing model-shaped to check
     prompt_lookup_num_tokens, _ = resolve_prompt_lookup(generation_config)
     resolve_num_draft_tokens(num_assistant_tokens, draft, prompt_lookup_num_tokens)
     for name, model in (("model", target), ("assistant_model", draft)):
@@ -193,7 +197,8 @@ def validate_input_values(input_ids: torch.Tensor, attention_mask: torch.Tensor 
         raise ValueError(
             "`attention_mask` has padding after a token in some row (right padding). Speculative decoding continues "
             "every row from its last token, so rows must be left-padded: set `tokenizer.padding_side = 'left'` "
-            "before tokenizing the batch."
+            "before tokenizing the batch. (Without an `attention_mask`, transformers makes one from `pad_token_id`: "
+            "a pad id inside a prompt then looks like padding; pass the mask.)"
         )
     if has_empty_row:
         raise ValueError("`attention_mask` has a row with no token at all (every entry 0).")
@@ -209,7 +214,7 @@ def validate_generator(generator: torch.Generator | None, model: PreTrainedModel
 def validate_draft_length_limit(draft: PreTrainedModel | None, max_length: int) -> None:
     """Refuse, before the first round, a draft whose learned position table is shorter than the longest sequence the
     call may reach (models with rotary or ALiBi positions have no such limit)."""
-    if draft is None:
+    if not isinstance(draft, PreTrainedModel):
         return
     table = _position_table(draft)
     if table is not None and max_length > table:

@@ -41,8 +41,8 @@ def top_k_rows(processor: TopKLogitsWarper, scores: torch.Tensor) -> torch.Tenso
     (common with bf16 logits); such rows, and rows with NaN, are computed by transformers.
     """
     top_k = min(processor.top_k, scores.shape[-1])
-    if processor.filter_value != float("-inf") or top_k == scores.shape[-1]:
-        return processor(None, scores)
+    if processor.filter_value != float("-inf") or top_k == scores.shape[-1] or scores.device.type != "cpu":
+        return processor(None, scores)  # on an accelerator transformers' own needs no host synchronization
     top_scores, top_ids = scores.topk(top_k + 1, dim=-1)  # [n, k + 1], descending
     processed = torch.full_like(scores, float("-inf")).scatter_(-1, top_ids[:, :-1], top_scores[:, :-1])
     is_unsure = (top_scores[:, -1] == top_scores[:, -2]) | top_scores.isnan().any(dim=-1)
@@ -64,7 +64,9 @@ def top_p_rows(processor: TopPLogitsWarper, scores: torch.Tensor) -> torch.Tenso
     reaching past the candidates.
     """
     vocab_size = scores.shape[-1]
-    if processor.filter_value != float("-inf"):  # then even -inf scores change; not worth a fast path
+    if processor.filter_value != float("-inf") or scores.device.type != "cpu":
+        # -inf scores change then too: not worth a fast path; on an accelerator the full sort is cheap and, unlike
+        # the fall-back below, needs no host synchronization
         return processor(None, scores)
     min_keep = processor.min_tokens_to_keep
     num_candidates = min(vocab_size, max(NUM_TOP_P_CANDIDATES, min_keep + 1))

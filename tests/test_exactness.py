@@ -8,8 +8,6 @@ Each family of bug has a negative control that must fail.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -21,6 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import hf_spec.decoding
 import hf_spec.rejection
 from hf_spec import speculative
+from hf_spec.evaluation.exactness import exact_law as enumerated_law
 
 VOCAB = 4
 NUM_TOKENS = 3
@@ -54,22 +53,7 @@ def with_length(settings: dict) -> dict:
 
 def exact_law(model, settings: dict, user_processors: list, prompt: torch.Tensor = PROMPT) -> np.ndarray:
     """``[V, V, V]``: P(first three generated tokens) under target-only sampling of ``prompt`` with ``settings``."""
-    generation_config, _ = model._prepare_generation_config(None, do_sample=True, **with_length(settings))
-    model._prepare_special_tokens(generation_config, True, device=prompt.device)
-    chain = model._get_logits_processor(
-        generation_config=generation_config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
-        logits_processor=LogitsProcessorList(user_processors), device="cpu", model_kwargs={},
-    )
-    path_probs = np.ones(1)  # P(prefix) for every prefix of the current depth, in itertools.product order
-    for depth in range(NUM_TOKENS):
-        prefixes = list(itertools.product(range(VOCAB), repeat=depth))
-        prefix_ids = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), depth)
-        ids = torch.cat([prompt.expand(len(prefixes), -1), prefix_ids], 1)
-        with torch.no_grad():
-            logits = model(ids).logits[:, -1].float()
-        probs = chain(ids, logits).softmax(-1).double().numpy()  # [prefixes, V]: p(next | prefix)
-        path_probs = (path_probs.reshape(-1, 1) * probs).reshape(-1)
-    return path_probs.reshape([VOCAB] * NUM_TOKENS)
+    return enumerated_law(model, with_length(settings), prompt, NUM_TOKENS, user_processors)
 
 
 def sample_speculative(

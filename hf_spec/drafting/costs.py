@@ -58,8 +58,10 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
     for _ in range(repeats):
         for width in widths:
             block = prefix_ids[:, -1:].expand(-1, width)  # [1, width]
+            synchronize(model.device)
             started = time.perf_counter()
             model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=width)
+            synchronize(model.device)
             seconds[width].append(time.perf_counter() - started)
             crop_to(cache, prefix)
     return {width: float(np.median(values)) for width, values in seconds.items()}
@@ -74,6 +76,12 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, prefix
     if draft is not None:
         draft_seconds = forward_seconds(draft, prefix_ids.to(draft.device), [1], repeats)[1]
     return CostTable(target_seconds[1], draft_seconds, target_seconds)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for an accelerator's queued kernels (a no-op on the CPU), so that a clock read after it is honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {key: CostTable}

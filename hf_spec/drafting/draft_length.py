@@ -41,8 +41,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 5
 DEFAULT_MAX_DRAFT_TOKENS = 10
 #: The longest wait between exploration rounds once explorations keep failing.
 MAX_EXPLORE_EVERY = 128
-#: Rounds (after forgetting) of each kind, drafting and plain, before their measured speeds overrule the cost model.
-RATE_EVIDENCE = 2.0
+#: Rounds of each kind, drafting and plain, before their measured speeds may overrule the cost model.
+RATE_EVIDENCE = 6
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,12 @@ class _Mean:
     decay: float
     total: float = 0.0
     weight: float = 0.0
+    count: int = 0  # values added, without forgetting
 
     def add(self, value: float, weight: float = 1.0) -> None:
         self.total = self.decay * self.total + value * weight
         self.weight = self.decay * self.weight + weight
+        self.count += 1
 
     def get(self, default: float) -> float:
         return self.total / self.weight if self.weight > 0 else default
@@ -125,7 +127,9 @@ class AutoDraftLength:
         self._explore_wait = explore_every  # grows while explorations are rejected
         self._is_exploring = False
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 throughout
-        self._rate = {True: _Mean(decay), False: _Mean(decay)}  # tokens per second of rounds that drafted, or not
+        # tokens per second of steady rounds that drafted, or not: decayed token sums over decayed second sums
+        self._rate = {True: _Mean(decay), False: _Mean(decay)}
+        self._was_drafting = False
         self.has_costs = False
         self.chosen: list[int] = []  # k of every round, in order (across calls when reused)
 
@@ -136,7 +140,6 @@ class AutoDraftLength:
         for size, seconds in costs.target_block_seconds.items():
             if size <= self.max_draft_tokens + 1:
                 self._block.setdefault(size, _Mean(self._decay)).add(seconds, weight)
-        self._rate[False].add(1.0 / costs.target_step_seconds, RATE_EVIDENCE)  # a plain step's tokens per second
         self.has_costs = True
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0
@@ -205,17 +208,21 @@ class AutoDraftLength:
             if num_model_steps > 0:
                 self._draft_step.add(draft_seconds / num_model_steps)
             self._block.setdefault(num_draft_tokens + 1, _Mean(self._decay)).add(verify_seconds)
-            emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
-            self._rate[num_draft_tokens > 0].add(emitted / (draft_seconds + verify_seconds))
+            is_drafting = num_draft_tokens > 0
+            if is_drafting == self._was_drafting:  # steady rounds only: a switch costs the draft a catch-up pass
+                emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
+                seconds = draft_seconds + verify_seconds
+                self._rate[is_drafting].add(emitted / seconds, weight=seconds)  # so the mean is tokens / seconds
+        self._was_drafting = num_draft_tokens > 0
         if self._is_exploring and num_draft_tokens > 0:
-            is_failed = max(num_accepted, default=0) == 0 or self._is_drafting_slower()
-            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_failed else self.explore_every
+            is_rejected = max(num_accepted, default=0) == 0
+            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_rejected else self.explore_every
 
     def _is_drafting_slower(self) -> bool:
         """Whether rounds that drafted have emitted fewer tokens per second than plain target steps, both measured
         (a few rounds each): the cost model misses what the clock sees, e.g. the draft catching up on the tokens
         it skipped, or a draft step that costs more with two tokens than with one."""
         drafting, plain = self._rate[True], self._rate[False]
-        if drafting.weight < RATE_EVIDENCE or plain.weight < RATE_EVIDENCE:
+        if drafting.count < RATE_EVIDENCE or plain.count < RATE_EVIDENCE:
             return False
         return drafting.get(0.0) < plain.get(0.0)

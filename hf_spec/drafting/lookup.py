@@ -38,7 +38,7 @@ class PromptLookupDrafter(Drafter):
         return [
             lookup_continuation(batch.row_ids[row, : batch.lengths[row]], self.max_ngram_size, self.min_ngram_size,
                                 num_draft_tokens)
-            for row in batch.active_rows.tolist()
+            for row in batch.active_list
         ]
 
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:

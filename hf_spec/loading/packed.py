@@ -120,7 +120,7 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
         raise ValueError(f"`widths` must include 1 (the step), but is {widths!r}.")
     seconds = {}
     if path == "auto":
-        dense = _time_modes(model, widths, repeats)
+        dense = time_passes(model, widths, repeats)
         seconds["stock"], seconds["dense"] = dense[True], _fastest(dense)
     if path in ("auto", "packed"):
         if not _pack(model):
@@ -130,7 +130,7 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
             return _keep(model, _dispatching(model, CpuPath("dense", _aten_rows(dense), seconds, reason)))
         if path == "packed":
             return _keep(model, _dispatching(model, CpuPath("packed", 1)))
-        packed = _time_modes(model, widths, repeats)
+        packed = time_passes(model, widths, repeats)
         seconds["packed"] = _fastest(packed)
         if _score(seconds["packed"], role) < _score(seconds["dense"], role):
             return _keep(model, _dispatching(model, CpuPath("packed", _aten_rows(packed), seconds)))
@@ -226,7 +226,7 @@ def _keep(model: PreTrainedModel, path: CpuPath) -> CpuPath:
 
 
 @torch.no_grad()
-def _time_modes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict[bool, dict[int, float]]:
+def time_passes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict[bool, dict[int, float]]:
     """Median seconds of a pass over each of ``widths`` tokens, with oneDNN on (``True``) and off, interleaved, after
     one prefill of `PREFIX_LENGTH` random ids (made with oneDNN on: torch's bf16 kernels are slow for it)."""
     prefix_ids = torch.randint(model.get_input_embeddings().num_embeddings, (1, PREFIX_LENGTH),

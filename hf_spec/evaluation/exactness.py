@@ -1,0 +1,82 @@
+"""Checking exactness by statistics: the target's enumerated law of the first few tokens against samples.
+
+The exact reference: for a tiny target (a vocabulary of a few ids) the processed next-token law on every prefix of up
+to ``num_tokens - 1`` generated tokens gives the joint law of the first ``num_tokens`` generated tokens
+(`exact_law`). Speculative samples are compared with it by a chi-square test and the total variation
+(`fit_sequences`). The test suite uses these on every processor chain, each with a negative control that must fail;
+``scripts/device_check.py`` runs a subset on an accelerator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel
+
+from hf_spec.compat import decoding_chain
+
+#: Significance level: a correct sampler fails a test with probability 1e-4; a broken one must fail every time.
+ALPHA = 1e-4
+
+
+@dataclasses.dataclass
+class FitResult:
+    p_value: float
+    total_variation: float
+    tv_bound: float
+    num_samples: int
+
+    @property
+    def is_consistent(self) -> bool:
+        """Chi-square does not reject at ALPHA and the empirical TV is within its sampling-noise bound."""
+        return self.p_value > ALPHA and self.total_variation < self.tv_bound
+
+
+def fit_sequences(samples: np.ndarray, exact: np.ndarray) -> FitResult:
+    """Compare ``samples`` ``[N, T]`` (token ids < V) with the law ``exact`` ``[V] * T`` (sums to 1).
+
+    Chi-square on the V**T cells, pooling the cells whose expected count is below 5 into one. TV bound
+    ``sqrt(cells / N)``: the empirical TV of a correct sampler has mean at most ``sqrt(cells / (2 pi N))``.
+    """
+    from scipy import stats
+
+    exact = exact / exact.sum()  # float32 model probabilities sum to 1 only up to rounding
+    if samples.ndim != 2 or samples.shape[1] != exact.ndim:
+        raise ValueError(f"`samples` must have shape [N, {exact.ndim}], but has {samples.shape}.")
+    num_samples = samples.shape[0]
+    cells = np.ravel_multi_index(tuple(samples.T), exact.shape)
+    observed = np.bincount(cells, minlength=exact.size).astype(float)
+    expected = exact.reshape(-1) * num_samples
+    is_small = expected < 5
+    observed_pooled = np.append(observed[~is_small], observed[is_small].sum())
+    expected_pooled = np.append(expected[~is_small], expected[is_small].sum())
+    keep = expected_pooled > 1e-9
+    if np.any(observed_pooled[~keep] > 0):  # a sample in a cell of probability 0 is a certain failure
+        p_value = 0.0
+    else:
+        p_value = float(stats.chisquare(observed_pooled[keep], expected_pooled[keep]).pvalue)
+    total_variation = 0.5 * float(np.abs(observed / num_samples - exact.reshape(-1)).sum())
+    num_cells = int(np.count_nonzero(exact.reshape(-1) > 1e-9))
+    return FitResult(p_value, total_variation, float(np.sqrt(num_cells / num_samples)), num_samples)
+
+
+@torch.no_grad()
+def exact_law(model: PreTrainedModel, settings: dict, prompt: torch.Tensor, num_tokens: int,
+              user_processors: list | None = None) -> np.ndarray:
+    """``[V] * num_tokens``: P(first ``num_tokens`` generated tokens) under target-only sampling of ``prompt``
+    ``[1, S]`` with ``settings`` (plus ``do_sample=True``), through transformers' own processor chain."""
+    vocab_size = model.config.get_text_config().vocab_size
+    chain = decoding_chain(model, {"do_sample": True, **settings}, prompt,
+                           LogitsProcessorList(user_processors or []))
+    path_probs = np.ones(1)  # P(prefix) for every prefix of the current depth, in itertools.product order
+    for depth in range(num_tokens):
+        combinations = list(itertools.product(range(vocab_size), repeat=depth))
+        prefixes = torch.tensor(combinations, dtype=torch.long, device=prompt.device).view(len(combinations), depth)
+        ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], dim=1)
+        logits = model(ids).logits[:, -1].float()
+        probs = chain(ids, logits).softmax(-1).double().cpu().numpy()  # [prefixes, V]: p(next | prefix)
+        path_probs = (path_probs.reshape(-1, 1) * probs).reshape(-1)
+    return path_probs.reshape([vocab_size] * num_tokens)
