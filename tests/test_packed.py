@@ -206,3 +206,13 @@ def test_the_clock_overrules_the_cost_model_when_drafting_is_measurably_slower()
     for k, seconds in [(0, 1.0)] * 7 + [(4, 1.5)] * 7:
         fast.update(k, [k], 0.1 * k, k, seconds - 0.1 * k)
     assert fast.choose(10) > 0, "drafting that is measurably faster goes on"
+
+
+def test_unpacking_restores_requires_grad_as_loaded():
+    """torch's oneDNN bf16 matmul of several rows is several times slower for weights with requires_grad=False:
+    a layer that was packed and unpacked again must come back as it was loaded."""
+    model = make_tiny_model(seed=0)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    optimize(model, path="packed")
+    deoptimize(model)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags

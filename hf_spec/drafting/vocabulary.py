@@ -46,7 +46,7 @@ class PrunedOutputLayer(nn.Module):
             self.kept.weight.copy_(linear.weight[self.kept_ids])
             if linear.bias is not None:
                 self.kept.bias.copy_(linear.bias[self.kept_ids])
-        self.kept.requires_grad_(False)
+        self.kept.requires_grad_(linear.weight.requires_grad)  # see `hf_spec.loading.packed.PackedLinear`
         self.full = linear  # kept for `restore_vocabulary`; not called (tied output layers share the embeddings)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
