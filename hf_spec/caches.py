@@ -5,7 +5,9 @@ sequence that stops before its last token (the target's holds exactly that; the 
 after a fully accepted block). The next forward pass of each model feeds the tokens its cache lacks, so the draft
 catches up on its last accepted token in the same pass that drafts the next block: nothing accepted is recomputed.
 
-Caches are only ever shortened through ``Cache.crop`` (a negative count drops the newest positions); a cache whose
+Caches are only ever shortened through ``Cache.crop`` (a negative count drops the newest positions), except after
+a round that verified a tree of drafts: there every node's entries were cached, and `keep_tree_path` keeps the
+committed prefix and the accepted path's entries (gathered, never recomputed) before the usual crop. A cache whose
 layers cannot be cropped back exactly is refused before any forward pass.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -75,3 +78,27 @@ def fit_prompt(cache: Cache, prompt_length: int) -> None:
         )
     if length == prompt_length:
         crop_to(cache, prompt_length - 1)
+
+
+def keep_tree_path(cache: Cache, num_committed: int, columns: list[int]) -> None:
+    """Keep the first ``num_committed`` positions and, after them, the positions ``num_committed + columns`` in that
+    order (a tree's accepted path: its keys and values were computed at the positions the path now has, so they are
+    kept as they are, not recomputed); drop the rest of the tree.
+
+    Only ``DynamicLayer`` caches can be rearranged this way (`check_tree_cache`).
+    """
+    for layer in cache.layers:
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        index = torch.tensor(columns, dtype=torch.long, device=layer.keys.device) + num_committed
+        layer.keys = torch.cat([layer.keys[..., :num_committed, :], layer.keys.index_select(-2, index)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :num_committed, :], layer.values.index_select(-2, index)], dim=-2)
+
+
+def check_tree_cache(cache: Cache, argument: str) -> None:
+    """Refuse a cache whose layers `keep_tree_path` cannot rearrange (sliding windows keep only their window)."""
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if kinds:
+        raise ValueError(f"Tree drafts keep the accepted path's entries of `{argument}`, which needs plain "
+                         f"DynamicLayer layers, but it has {', '.join(kinds)}; use a chain of drafts "
+                         "(leave `num_tree_nodes` unset) with this model.")

@@ -21,6 +21,7 @@ from logits_processors.compat import num_beams, prefix_allowed_tokens, prepare_s
 
 __all__ = [
     "OVERRIDDEN_METHODS",
+    "attention_implementation",
     "check_generation_hooks",
     "decoding_chain",
     "drop_gguf_quantizer",
@@ -90,3 +91,9 @@ def drop_gguf_quantizer(model: PreTrainedModel) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+
+
+def attention_implementation(model: PreTrainedModel) -> str:
+    """The attention kernel the model runs ("sdpa", "eager", "flash_attention_2", ...): the private
+    ``config._attn_implementation``, which decides the form a custom 4D attention mask must take."""
+    return str(model.config.get_text_config()._attn_implementation or "eager")

@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 
 from hf_spec.caches import crop_to, select_rows
-from hf_spec.drafting.base import DraftContext, Drafter, Proposal
+from hf_spec.drafting.base import DraftContext, Drafter
 from hf_spec.drafting.draft_length import AutoDraftLength, FixedDraftLength
 from hf_spec.forward import extend_mask, forward_missing, has_invalid_values
 from hf_spec.recording import OutputRecorder, RoundTimer
@@ -76,6 +76,7 @@ def speculative_decode(
     recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
     vocab_size = target.config.get_text_config().vocab_size
     context = DraftContext(logits_processor, vocab_size, generation_config.do_sample, generator)
+    drafter.reset()
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
 
     try:
@@ -99,7 +100,7 @@ def speculative_decode(
                 )
             else:
                 output_ids, num_accepted = accept_greedy(draft_ids, block_scores)
-            num_accepted = _read_accepted(num_accepted, proposal, block_logits, block_scores)
+            num_accepted = read_accepted(num_accepted, proposal.is_invalid, block_logits, block_scores)
             timer.mark_verified()
 
             # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
@@ -111,11 +112,11 @@ def speculative_decode(
 
             # 5. Commit, and roll back: both caches keep the model view's columns but its last; finished rows leave.
             staying, num_cached = batch.commit(output_ids, num_accepted, num_kept, is_done)
-            _roll_back(target_cache, drafter, num_cached, staying)
+            roll_back(target_cache, drafter, num_cached, staying)
             stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
     finally:
         # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed.
-        _roll_back(target_cache, drafter, batch.model_ids.shape[1] - 1, None)
+        roll_back(target_cache, drafter, batch.model_ids.shape[1] - 1, None)
 
     scores, logits = recorder.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
@@ -138,14 +139,14 @@ def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, draft_ids
     return block_logits, block_scores
 
 
-def _read_accepted(num_accepted: torch.Tensor, proposal: Proposal, block_logits: torch.Tensor,
-                   block_scores: torch.Tensor) -> list[int]:
+def read_accepted(num_accepted: torch.Tensor, is_draft_invalid: torch.Tensor, block_logits: torch.Tensor,
+                  block_scores: torch.Tensor) -> list[int]:
     """The accepted counts on the host, read together with the numerical checks of both laws: host synchronization
     1 of 2 per round (2: the stopping answers). Raises, naming the source, on NaN or infinite logits from either
     model, or scores the processor chain left unusable (NaN, +inf, every token masked)."""
     is_target_invalid = torch.stack([has_invalid_values(block_logits), has_invalid_values(block_scores)])  # [2]
     *counts, draft_logits_bad, draft_scores_bad, target_logits_bad, target_scores_bad = torch.cat(
-        [num_accepted, proposal.is_invalid, is_target_invalid]
+        [num_accepted, is_draft_invalid, is_target_invalid]
     ).tolist()
     for is_bad, name in ((draft_logits_bad, "The assistant_model (draft)"), (target_logits_bad, "The target model")):
         if is_bad:
@@ -161,7 +162,7 @@ def _read_accepted(num_accepted: torch.Tensor, proposal: Proposal, block_logits:
     return counts
 
 
-def _roll_back(target_cache, drafter: Drafter, num_cached: int, staying_rows: torch.Tensor | None) -> None:
+def roll_back(target_cache, drafter: Drafter, num_cached: int, staying_rows: torch.Tensor | None) -> None:
     """Restore the cache invariant: at most ``num_cached`` positions (the model view but its last column), and only
     ``staying_rows`` (indices into the rows the caches held) when given; the drafter follows."""
     if staying_rows is not None:

@@ -1,4 +1,5 @@
-"""One forward pass over the tokens a model's cache lacks, shared by the target's verify pass and a draft model."""
+"""One forward pass over the tokens a model's cache lacks, shared by the target's verify pass and a draft model; and
+the same pass over a tree of draft tokens, with a tree attention mask."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length
+from hf_spec.compat import attention_implementation
 
 
 def forward_missing(
@@ -41,6 +43,69 @@ def forward_missing(
         inputs["logits_to_keep"] = num_logits
     logits = model(**inputs, use_cache=True).logits[:, -num_logits:]
     return logits.to(dtype=torch.float32, copy=True)
+
+
+def forward_tree(
+    model: PreTrainedModel,
+    cache,
+    sequence_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    node_ids: torch.Tensor,
+    node_depths: torch.Tensor,
+    node_visible: torch.Tensor,
+) -> torch.Tensor:
+    """Feed ``model`` the committed tokens its cache lacks, then tree nodes; return the logits after each fed token.
+
+    The cache holds a prefix of ``sequence_ids``, or all of it followed by nodes fed in earlier passes (never both
+    missing tokens and earlier nodes). A node sees every real committed token and the nodes ``node_visible`` marks
+    (its ancestors and itself), at position ``last committed position + depth``: exactly the keys and values the
+    node would get as the next token of its own path, so a path's cached entries can be kept as they are.
+
+    Args:
+        sequence_ids: ``[1, length]`` the committed sequence.
+        attention_mask: ``[1, length]`` or ``None`` (no padding).
+        node_ids: ``[m]`` the nodes to feed now.
+        node_depths: ``[m]`` int64, their depths (1 for the root's children).
+        node_visible: ``[m, fed + m]`` bool, over the nodes already in the cache (in the order fed) and these.
+
+    Returns:
+        ``[missing + m, vocab]`` float32 logits: after each missing committed token, then after each node.
+    """
+    device = sequence_ids.device
+    length = sequence_ids.shape[1]
+    num_cached = cache_length(cache)
+    missing_ids = sequence_ids[0, min(num_cached, length):]  # [missing]
+    num_fed, num_missing = max(0, num_cached - length), missing_ids.shape[0]
+    if num_fed and num_missing:
+        raise RuntimeError(f"cache holds {num_cached} positions: tree nodes and missing committed tokens at once")
+    is_real = (torch.ones(length, dtype=torch.bool, device=device) if attention_mask is None
+               else attention_mask[0].bool())  # [length]
+    num_new = num_missing + node_ids.shape[0]
+    visible = torch.zeros((num_new, length + num_fed + node_ids.shape[0]), dtype=torch.bool, device=device)
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril_() & is_real  # [length, length]
+    visible[:num_missing, :length] = causal[length - num_missing:]
+    visible[num_missing:, :length] = is_real
+    visible[num_missing:, length:] = node_visible
+    positions = is_real.long().cumsum(0) - 1  # [length]
+    position_ids = torch.cat([positions[length - num_missing:], positions[-1] + node_depths])  # [missing + m]
+    logits = model(
+        input_ids=torch.cat([missing_ids, node_ids])[None], position_ids=position_ids[None],
+        attention_mask=_model_mask(model, visible), cache=cache, use_cache=True,
+    ).logits[0]
+    return logits.to(dtype=torch.float32, copy=True)
+
+
+def _model_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, queries, keys]`` in the form the model's attention takes a custom mask: boolean (sdpa, flex) or
+    additive (eager); flash attention cannot take one."""
+    implementation = attention_implementation(model)
+    if "flash" in implementation:
+        raise ValueError(f"Tree verification needs a custom attention mask, which attn_implementation="
+                         f"{implementation!r} cannot take; load the model with attn_implementation='sdpa'.")
+    if implementation == "eager":
+        return torch.zeros(visible.shape, dtype=model.dtype, device=visible.device).masked_fill_(
+            ~visible, torch.finfo(model.dtype).min)[None, None]
+    return visible[None, None]
 
 
 @functools.cache

@@ -17,6 +17,10 @@ Extra ``generate()`` arguments:
 - ``num_assistant_tokens``: k, the draft block length; the call wins over the draft's ``generation_config``, then
   ``prompt_lookup_num_tokens``. ``"auto"`` chooses k every round from measured acceptance and costs
   (`hf_spec.drafting.AutoDraftLength`; pass an instance to keep what it learnt across calls).
+- ``num_tree_nodes``: draft a tree of at most this many tokens per round instead of a chain, all verified in one
+  target pass (`hf_spec.tree_decoding`; a batch of one row): the draft model branches (`ModelTreeDrafter`), prompt
+  lookup becomes suffix matching with several continuations (`SuffixDrafter`), or a `TreeDrafter` passed as
+  ``assistant_model`` is used. ``num_assistant_tokens`` then caps the tree's depth.
 
 With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
 ``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
@@ -37,11 +41,15 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_spec.caches import fit_prompt, prepare_for_rollback
+from hf_spec.checks import check_int
 from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
-from hf_spec.drafting import AutoDraftLength, Drafter, LookupThenModel, ModelDrafter, PromptLookupDrafter
+from hf_spec.drafting import AutoDraftLength
 from hf_spec.drafting.costs import probe_costs
+from hf_spec.drafting.draft_length import FixedDraftLength
+from hf_spec.drafting.from_arguments import make_drafter, make_tree_drafter
 from hf_spec.stats import SpeculativeStats
+from hf_spec.tree_decoding import tree_decode
 from hf_spec.validation import (
     resolve_num_draft_tokens,
     resolve_prompt_lookup,
@@ -73,6 +81,7 @@ class _CallOptions:
 
     generator: torch.Generator | None = None
     num_assistant_tokens: Any = None
+    num_tree_nodes: int | None = None
 
 
 _CALL_OPTIONS: contextvars.ContextVar[_CallOptions | None] = contextvars.ContextVar("hf_spec_call", default=None)
@@ -93,16 +102,20 @@ class SpeculativeGenerationMixin(GenerationMixin):
         >>> out.speculative_stats.acceptance_rate
     """
 
-    def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None, **kwargs):
+    def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None,
+                 num_tree_nodes: int | None = None, **kwargs):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
+        if num_tree_nodes is not None:
+            check_int("num_tree_nodes", num_tree_nodes)
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
             # before transformers' own input handling, which fails on these without naming the argument
             validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
                                  kwargs.get("attention_mask"))
         num_assistant_tokens = kwargs.get("num_assistant_tokens",
                                           getattr(generation_config, "num_assistant_tokens", None))
-        token = _CALL_OPTIONS.set(_CallOptions(generator=generator, num_assistant_tokens=num_assistant_tokens))
+        token = _CALL_OPTIONS.set(_CallOptions(generator=generator, num_assistant_tokens=num_assistant_tokens,
+                                               num_tree_nodes=num_tree_nodes))
         try:
             return super().generate(inputs, generation_config, *args, **kwargs)
         finally:
@@ -112,8 +125,10 @@ class SpeculativeGenerationMixin(GenerationMixin):
         draft = generation_mode_kwargs.get("assistant_model")
         options = _call_options()
         if draft is None and not _is_our_prompt_lookup(generation_config):
-            if options.generator is not None:
-                raise ValueError("`generator` is used by speculative decoding only; pass `assistant_model=` too.")
+            for name in ("generator", "num_tree_nodes"):
+                if getattr(options, name) is not None:
+                    raise ValueError(f"`{name}` is used by speculative decoding only; pass `assistant_model=` (or "
+                                     "`prompt_lookup_num_tokens=`) too.")
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
         validate_speculative_call(self, draft, generation_config, generation_mode_kwargs, options.num_assistant_tokens)
         # transformers' own assistant checks (tokenizer rules of universal assisted decoding) do not apply here.
@@ -145,6 +160,10 @@ class SpeculativeGenerationMixin(GenerationMixin):
         options = _call_options()
         prompt_lookup_num_tokens, ngram_size = resolve_prompt_lookup(generation_config)
         draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
+        if options.num_tree_nodes is not None:
+            return self._tree_decoding(input_ids, target_cache, pad_token_id, draft_length, assistant_model,
+                                       prompt_lookup_num_tokens, ngram_size, logits_processor, stopping_criteria,
+                                       generation_config, streamer, model_kwargs)
         if isinstance(draft_length, AutoDraftLength) and not draft_length.has_costs:
             # measured once per process and models: auto k starts from the costs instead of exploring
             draft_model = assistant_model if isinstance(assistant_model, PreTrainedModel) else None
@@ -163,17 +182,28 @@ class SpeculativeGenerationMixin(GenerationMixin):
             generator=options.generator,
             streamer=streamer,
         )
-        if not generation_config.return_dict_in_generate:
-            return result.sequences
-        if input_ids.shape[0] > 1:
-            _warn_no_batched_cache()
-        return SpeculativeDecoderOnlyOutput(
-            sequences=result.sequences,
-            scores=result.scores,
-            logits=result.logits,
-            cache=target_cache if input_ids.shape[0] == 1 else None,
-            speculative_stats=result.stats,
+        return _generate_output(self, result, generation_config, target_cache, input_ids.shape[0])
+
+    def _tree_decoding(self, input_ids, target_cache, pad_token_id, draft_length, assistant_model,
+                       prompt_lookup_num_tokens, ngram_size, logits_processor, stopping_criteria, generation_config,
+                       streamer, model_kwargs):
+        """``num_tree_nodes`` given: the tree loop, with the drafter's tree form."""
+        options = _call_options()
+        if not isinstance(draft_length, FixedDraftLength):
+            raise ValueError(  # noqa: TRY004 (a value of the argument, not its type)
+                "`num_assistant_tokens='auto'` chooses a chain's length; with `num_tree_nodes` pass an integer (the "
+                "tree's depth limit) or leave it unset."
+            )
+        drafter = make_tree_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size)
+        result = tree_decode(
+            self, drafter, input_ids, model_kwargs.get("attention_mask"), target_cache,
+            num_tree_nodes=options.num_tree_nodes,
+            max_depth=options.num_assistant_tokens or prompt_lookup_num_tokens or options.num_tree_nodes,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, pad_token_id=pad_token_id, generator=options.generator,
+            streamer=streamer,
         )
+        return _generate_output(self, result, generation_config, target_cache, input_ids.shape[0])
 
     def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, assistant_model,
                              logits_processor, model_kwargs):
@@ -202,6 +232,21 @@ class SpeculativeGenerationMixin(GenerationMixin):
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
 
 
+def _generate_output(target: PreTrainedModel, result, generation_config, target_cache, batch_size: int):
+    """What generate() returns: the sequences, or transformers' output with the statistics."""
+    if not generation_config.return_dict_in_generate:
+        return result.sequences
+    if batch_size > 1:
+        _warn_no_batched_cache()
+    return SpeculativeDecoderOnlyOutput(
+        sequences=result.sequences,
+        scores=result.scores,
+        logits=result.logits,
+        cache=target_cache if batch_size == 1 else None,
+        speculative_stats=result.stats,
+    )
+
+
 def speculative(model: PreTrainedModel) -> PreTrainedModel:
     """Give ``model`` exact speculative decoding; returns the same object (weights untouched), idempotently.
 
@@ -222,18 +267,6 @@ def _is_our_prompt_lookup(generation_config) -> bool:
         and generation_config.assistant_early_exit is None
         and not generation_config.use_mtp
     )
-
-
-def make_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num_tokens: int | None,
-                 ngram_size: int) -> Drafter:
-    """A draft model, prompt lookup, or prompt lookup first and the draft model when no n-gram matches; a `Drafter`
-    passed as ``assistant_model`` is used as it is (a fresh state for each call is its own business)."""
-    if isinstance(draft, Drafter):
-        return draft
-    lookup = PromptLookupDrafter(max_ngram_size=ngram_size) if prompt_lookup_num_tokens is not None else None
-    if draft is None:
-        return lookup
-    return ModelDrafter(draft) if lookup is None else LookupThenModel(lookup, ModelDrafter(draft))
 
 
 @contextlib.contextmanager

@@ -136,3 +136,107 @@ def _assemble_output(draft_ids: torch.Tensor, num_accepted: torch.Tensor, next_i
     output_ids.scatter_(1, num_accepted.unsqueeze(1), next_ids.unsqueeze(1))
     positions = torch.arange(k + 1, device=draft_ids.device)  # [k + 1]
     return output_ids.masked_fill_(positions > num_accepted.unsqueeze(1), NOT_EMITTED)
+
+
+def accept_tree(
+    token_ids: torch.Tensor,
+    parents: list[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], torch.Tensor]:
+    """Speculative sampling over a tree of drafts: walk down from the root, trying each node's children in order.
+
+    Multi-candidate rejection sampling (SpecInfer, Miao et al. 2024, "multi-step speculative sampling"; its form for
+    candidates drawn without replacement is the recursive rejection sampling of Jeon et al. 2024, "Recursive
+    Speculative Decoding"). At a node with target law p and children ``x_1 .. x_m``, child j drawn from ``q_j``
+    given the earlier children, start from ``r = p`` and for each child in turn: accept ``x_j`` with probability
+    ``min(1, r(x_j) / q_j(x_j))`` and descend into it; else ``r <- normalize(max(0, r - q_j))``. When every child is
+    rejected, emit one token from r. At a leaf (no children) that is a bonus token from p.
+
+    Why it is exact, by induction over the children tried: let h be the children rejected so far and r_h the current
+    residual, a function of h. Claim: the token emitted from here on has law r_h. With child x ~ q_h: it is emitted
+    with probability ``min(q_h(x), r_h(x))``; else the next residual is ``normalize(max(0, r_h - q_h))`` whatever x was
+    rejected, and by induction what follows has that law; the two add up to r_h. Starting from r = p the emitted token
+    has the target's law, and after an accepted child the same holds one level down with that child's p and children.
+    So the rule is exact whenever ``q_j`` is the law child j really was drawn from given the earlier ones: for
+    i.i.d. children every ``q_j`` is the draft's q; for children drawn without replacement, q with the earlier
+    children removed and renormalized; for deterministic children (lookup, suffix matches, greedy top-k), a point
+    mass. How many children a node has may depend on anything drawn before them, never on their own values.
+
+    Args:
+        token_ids: ``[n]`` the tree's tokens, in topological order.
+        parents: ``n`` parent indices (``-1`` for the root, the last committed token), ``parents[i] < i``; a node's
+            children are tried in index order.
+        draft_probs: ``[n, vocab]`` the law node i was drawn from, given its parent and its earlier siblings.
+        target_probs: ``[n + 1, vocab]`` p at the root (row 0) and after each node (row i + 1).
+        generator: the source of randomness.
+
+    Returns:
+        The accepted path (node indices, root's child first) and the next token (0-dim int64).
+    """
+    num_nodes = _check_tree("token_ids", token_ids, parents)
+    vocab_size = target_probs.shape[-1]
+    _check_shape("draft_probs", draft_probs, 2, (num_nodes, vocab_size))
+    _check_shape("target_probs", target_probs, 2, (num_nodes + 1, vocab_size))
+    children = _children(parents)
+    tokens = token_ids.tolist()
+    path, node = [], -1
+    while True:
+        residual = target_probs[node + 1].double()  # [vocab], r = p at this node
+        for child in children[node]:
+            law = draft_probs[child].double()  # [vocab], q_j
+            q, r = float(law[tokens[child]]), float(residual[tokens[child]])
+            uniform = float(torch.rand((), dtype=torch.float64, device=token_ids.device, generator=generator))
+            if q > 0 and uniform * q < r:
+                path.append(child)
+                node = child
+                break
+            leftover = (residual - law).clamp_min_(0)  # [vocab]
+            total = leftover.sum()
+            if total > 0:  # 0 only if q_j covers r, where a rejection has probability 0 (kept well defined)
+                residual = leftover / total
+        else:
+            return path, sample_from_weights(residual, generator)
+
+
+def accept_tree_greedy(token_ids: torch.Tensor, parents: list[int],
+                       target_scores: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Greedy verification of a tree: the longest path whose every token is the target's argmax after its prefix,
+    then the target's argmax after that path.
+
+    Args:
+        token_ids, parents: the tree, as in :func:`accept_tree`.
+        target_scores: ``[n + 1, vocab]`` the target's processed scores at the root and after each node.
+
+    Returns:
+        The same ``(path, next token)`` as :func:`accept_tree`.
+    """
+    num_nodes = _check_tree("token_ids", token_ids, parents)
+    _check_shape("target_scores", target_scores, 2, (num_nodes + 1, target_scores.shape[-1]))
+    best = target_scores.argmax(dim=-1)  # [n + 1]
+    best_list, tokens, children = best.tolist(), token_ids.tolist(), _children(parents)
+    path, node = [], -1
+    while True:
+        match = [child for child in children[node] if tokens[child] == best_list[node + 1]]
+        if not match:
+            return path, best[node + 1]
+        node = match[0]
+        path.append(node)
+
+
+def _check_tree(name: str, token_ids: torch.Tensor, parents: list[int]) -> int:
+    """The number of nodes; ``ValueError`` unless ``token_ids`` is 1-D and ``parents`` a matching topological list."""
+    (num_nodes,) = _check_shape(name, token_ids, 1)
+    if len(parents) != num_nodes or any(not -1 <= parent < i for i, parent in enumerate(parents)):
+        raise ValueError(f"`parents` must list, for each of the {num_nodes} nodes, a parent index in [-1, i) (-1: "
+                         f"the root), but is {list(parents)}.")
+    return num_nodes
+
+
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in index order (the root is -1); every node has an entry."""
+    children: dict[int, list[int]] = {node: [] for node in range(-1, len(parents))}
+    for node, parent in enumerate(parents):
+        children[parent].append(node)
+    return children

@@ -20,10 +20,13 @@ class SpeculativeStats:
         num_accepted: proposed tokens the target accepted.
         num_emitted: tokens appended to the output (accepted, recovered and bonus tokens, after stopping).
         accepted_by_position: ``accepted_by_position[i]`` counts rounds whose draft token at block position ``i``
-            was accepted.
-        proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``.
+            was accepted (for trees: at depth ``i + 1``).
+        proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``
+            (for trees: rounds whose tree reached depth ``i + 1``).
         rounds_by_draft_length: ``rounds_by_draft_length[k]`` counts rounds that drafted k tokens (k varies with
-            ``num_assistant_tokens="auto"``, prompt lookup, and near ``max_length``).
+            ``num_assistant_tokens="auto"``, prompt lookup, and near ``max_length``); for trees, k nodes.
+        rounds_by_accepted: ``rounds_by_accepted[n]`` counts row-rounds that accepted n drafted tokens (for trees,
+            the accepted depth).
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
         rows: per batch row, in the input's order.
@@ -36,6 +39,7 @@ class SpeculativeStats:
     accepted_by_position: list[int] = dataclasses.field(default_factory=list)
     proposed_by_position: list[int] = dataclasses.field(default_factory=list)
     rounds_by_draft_length: list[int] = dataclasses.field(default_factory=list)
+    rounds_by_accepted: list[int] = dataclasses.field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
@@ -69,7 +73,8 @@ class SpeculativeStats:
             for name in ("num_rounds", "num_draft_tokens", "num_accepted", "num_emitted", "draft_seconds",
                          "verify_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
-            for name in ("accepted_by_position", "proposed_by_position", "rounds_by_draft_length"):
+            for name in ("accepted_by_position", "proposed_by_position", "rounds_by_draft_length",
+                         "rounds_by_accepted"):
                 mine, theirs = getattr(total, name), getattr(stats, name)
                 _grow(mine, len(theirs))
                 for i, count in enumerate(theirs):
@@ -82,28 +87,33 @@ class SpeculativeStats:
         self.verify_seconds += verify_seconds
 
     def record_round(
-        self, num_draft_tokens: int, num_accepted: list[int], num_emitted: list[int], rows: list[int], batch_size: int
+        self, num_draft_tokens: int, num_accepted: list[int], num_emitted: list[int], rows: list[int], batch_size: int,
+        depth: int | None = None,
     ) -> None:
         """Count one target pass in which each of ``rows`` (batch indices) proposed ``num_draft_tokens``, and
-        accepted and emitted its entry of ``num_accepted`` and ``num_emitted``."""
+        accepted and emitted its entry of ``num_accepted`` and ``num_emitted``; ``depth``: the tree's depth, for a
+        round that proposed a tree of ``num_draft_tokens`` nodes."""
         self.rows.extend(SpeculativeStats() for _ in range(batch_size - len(self.rows)))
         self._count_round(num_draft_tokens)
+        positions = num_draft_tokens if depth is None else depth
         for row, accepted, emitted in zip(rows, num_accepted, num_emitted):
             self.rows[row]._count_round(num_draft_tokens)
-            self.rows[row]._count_tokens(num_draft_tokens, accepted, emitted)
-            self._count_tokens(num_draft_tokens, accepted, emitted)
+            self.rows[row]._count_tokens(num_draft_tokens, positions, accepted, emitted)
+            self._count_tokens(num_draft_tokens, positions, accepted, emitted)
 
     def _count_round(self, num_draft_tokens: int) -> None:
         self.num_rounds += 1
         _grow(self.rounds_by_draft_length, num_draft_tokens + 1)
         self.rounds_by_draft_length[num_draft_tokens] += 1
 
-    def _count_tokens(self, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
-        _grow(self.accepted_by_position, num_draft_tokens)
-        _grow(self.proposed_by_position, num_draft_tokens)
-        for position in range(num_draft_tokens):
+    def _count_tokens(self, num_draft_tokens: int, num_positions: int, num_accepted: int, num_emitted: int) -> None:
+        _grow(self.accepted_by_position, num_positions)
+        _grow(self.proposed_by_position, num_positions)
+        for position in range(num_positions):
             self.proposed_by_position[position] += 1
             self.accepted_by_position[position] += position < num_accepted
+        _grow(self.rounds_by_accepted, num_accepted + 1)
+        self.rounds_by_accepted[num_accepted] += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted += num_accepted
         self.num_emitted += num_emitted

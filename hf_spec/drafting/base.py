@@ -53,6 +53,10 @@ class Drafter(abc.ABC):
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         """Keep at most ``num_cached`` positions of state, and only ``staying_rows`` (indices into the active rows)."""
 
+    def reset(self) -> None:
+        """Forget the previous call's state; the loop calls it before a call's first round (a drafter passed as
+        ``assistant_model`` serves many calls)."""
+
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Make draft logits ``[..., draft_vocab]`` as wide as the target's ``vocab_size``.

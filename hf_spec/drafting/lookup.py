@@ -57,6 +57,9 @@ class LookupThenModel(Drafter):
             return point_mass_proposal(candidates, batch, context)
         return self.model.propose(batch, num_draft_tokens, context)
 
+    def reset(self) -> None:
+        self.model.reset()
+
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         self.model.roll_back(num_cached, staying_rows)  # its cache may lag behind: it catches up when next used
 

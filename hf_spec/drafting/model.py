@@ -53,6 +53,9 @@ class ModelDrafter(Drafter):
                            else torch.empty((batch.num_active, 0, context.vocab_size), device=draft_ids.device))
         return Proposal(draft_ids, draft_probs, is_invalid, num_model_steps=num_draft_tokens)
 
+    def reset(self) -> None:
+        self.cache = new_cache(self.model)
+
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         if staying_rows is not None:
             select_rows(self.cache, staying_rows)

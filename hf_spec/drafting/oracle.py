@@ -61,6 +61,10 @@ class OracleDrafter(Drafter):
         proposal.num_model_steps = num_model_steps
         return proposal
 
+    def reset(self) -> None:
+        if self.model is not None:
+            self.model.reset()
+
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         """The answer is indexed by batch row, which finished rows keep; only the draft model's cache follows."""
         if self.model is not None:

@@ -1,0 +1,123 @@
+"""The speculative loop with a tree of drafts per round: many candidate continuations, one target pass.
+
+The same five steps as `hf_spec.decoding`, for a batch of one row: the drafter proposes a tree
+(`hf_spec.drafting.tree`), one target pass verifies every node under a tree attention mask
+(`hf_spec.forward.forward_tree`), `hf_spec.rejection.accept_tree` keeps one path and a next token with the target's
+exact law, stopping criteria cut it where target-only decoding would stop, and both caches keep the committed prefix
+plus the accepted path's entries (`hf_spec.caches.keep_tree_path`; nothing is recomputed) before the usual rollback.
+
+Why one row: each row of a batch would need its own tree, its own 4D mask and its own accepted path gathered from
+the cache; with holes (`hf_spec.rows`) that is a different bookkeeping, left for later. Batches use chains.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from hf_spec.caches import cache_length, check_tree_cache, keep_tree_path
+from hf_spec.decoding import DecodeResult, read_accepted, roll_back
+from hf_spec.drafting.base import DraftContext
+from hf_spec.drafting.tree import DraftTree, TreeDrafter
+from hf_spec.forward import forward_tree
+from hf_spec.recording import OutputRecorder, RoundTimer
+from hf_spec.rejection import accept_tree, accept_tree_greedy
+from hf_spec.rows import RaggedBatch
+from hf_spec.stats import SpeculativeStats
+from logits_processors import process_step
+
+
+def tree_decode(
+    target: PreTrainedModel,
+    drafter: TreeDrafter,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_cache,
+    *,
+    num_tree_nodes: int,
+    max_depth: int,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    streamer: BaseStreamer | None = None,
+) -> DecodeResult:
+    """Generate with the target, verifying a tree of at most ``num_tree_nodes`` draft tokens per round.
+
+    Arguments as `hf_spec.decoding.speculative_decode`, with ``num_tree_nodes`` and ``max_depth`` (how deep a tree
+    may grow) in place of the draft length.
+    """
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"Tree drafts (`num_tree_nodes`) support a batch of one row, but `input_ids` has "
+                         f"{input_ids.shape[0]} rows: each row would need its own tree and accepted path in the "
+                         "cache. Leave `num_tree_nodes` unset to draft chains, which batch.")
+    check_tree_cache(target_cache, "cache")
+    stats = SpeculativeStats()
+    recorder = OutputRecorder(generation_config, 1, streamer)
+    context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
+                           generation_config.do_sample, generator)
+    drafter.reset()
+    batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
+    try:
+        while batch.num_active > 0:
+            timer = RoundTimer(synchronize=False)
+            depth_limit = min(max_depth, max(0, generation_config.max_length - batch.lengths[0] - 1))
+
+            # 1. Draft a tree of at most num_tree_nodes nodes.
+            tree = drafter.propose_tree(batch, num_tree_nodes if depth_limit else 0, depth_limit, context)
+            timer.mark_drafted(tree.token_ids)
+
+            # 2. Verify: one target pass over the last committed token and every node: p at the root and each node.
+            num_committed = batch.model_ids.shape[1]
+            tree_logits, tree_scores = _verify(target, target_cache, batch, tree, logits_processor)
+
+            # 3. Accept a path from the root, then one recovered or bonus token.
+            if context.do_sample:
+                path, next_id = accept_tree(tree.token_ids, tree.parents, tree.draft_probs,
+                                            tree_scores.softmax(dim=-1), generator)
+            else:
+                path, next_id = accept_tree_greedy(tree.token_ids, tree.parents, tree_scores)
+            rows = torch.tensor([-1, *path], device=tree_scores.device) + 1  # score rows along the path
+            path_logits, path_scores = tree_logits[rows][None], tree_scores[rows][None]  # [1, depth + 1, vocab]
+            num_accepted = torch.tensor([len(path)], device=tree_scores.device)
+            read_accepted(num_accepted, tree.is_invalid, path_logits, path_scores)
+            output_ids = torch.cat([tree.token_ids[path], next_id.view(1)])[None]  # [1, depth + 1]
+            timer.mark_verified()
+
+            # 4. Stop exactly where target-only decoding would.
+            num_kept, is_done = batch.count_until_stop(stopping_criteria, output_ids, [len(path) + 1])
+            recorder.record(batch.active_list, output_ids, path_scores, path_logits, num_kept)
+            stats.record_round(tree.num_nodes, [len(path)], num_kept, batch.active_list, 1,
+                               depth=max(tree.depths, default=0))
+
+            # 5. Commit: both caches keep the committed prefix and the accepted path's entries, then roll back.
+            keep_tree_path(target_cache, num_committed, path)
+            drafter.keep_path(path)
+            staying, num_cached = batch.commit(output_ids, [len(path)], num_kept, is_done)
+            roll_back(target_cache, drafter, num_cached, staying)
+            stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
+    finally:
+        # An exception mid-round must never leave a cache holding tokens that were not committed (tree nodes sit
+        # after the committed positions, so cropping drops them).
+        roll_back(target_cache, drafter, batch.model_ids.shape[1] - 1, None)
+
+    scores, logits = recorder.finish()
+    return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
+
+
+def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, tree: DraftTree,
+            logits_processor: LogitsProcessorList) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(raw logits, processed scores)``, each ``[n + 1, vocab]``: after the root and after each node, each
+    processed with its own prefix (the committed row and the node's path)."""
+    num_missing = batch.model_ids.shape[1] - cache_length(target_cache)
+    logits = forward_tree(
+        target, target_cache, batch.model_ids, batch.model_mask, tree.token_ids,
+        torch.tensor(tree.depths, dtype=torch.long, device=tree.token_ids.device), tree.visibility(),
+    )[num_missing - 1:]  # [n + 1, vocab]
+    scores = []
+    for node in range(-1, tree.num_nodes):
+        row_ids, lengths = batch.row_view(tree.token_ids[tree.path_to(node)][None])
+        scores.append(process_step(logits_processor, row_ids, logits[node + 1][None], lengths)[0])
+    return logits, torch.stack(scores)
