@@ -53,8 +53,9 @@ def forward_tree(
     node_ids: torch.Tensor,
     node_depths: torch.Tensor,
     node_visible: torch.Tensor,
+    num_logits: int,
 ) -> torch.Tensor:
-    """Feed ``model`` the committed tokens its cache lacks, then tree nodes; return the logits after each fed token.
+    """Feed ``model`` the committed tokens its cache lacks, then tree nodes; return the last ``num_logits`` logits.
 
     The cache holds a prefix of ``sequence_ids``, or all of it followed by nodes fed in earlier passes (never both
     missing tokens and earlier nodes). A node sees every real committed token and the nodes ``node_visible`` marks
@@ -69,7 +70,8 @@ def forward_tree(
         node_visible: ``[m, fed + m]`` bool, over the nodes already in the cache (in the order fed) and these.
 
     Returns:
-        ``[missing + m, vocab]`` float32 logits: after each missing committed token, then after each node.
+        ``[num_logits, vocab]`` float32 logits, the last of those after each missing committed token, then after
+        each node.
     """
     device = sequence_ids.device
     length = sequence_ids.shape[1]
@@ -88,10 +90,11 @@ def forward_tree(
     visible[num_missing:, length:] = node_visible
     positions = is_real.long().cumsum(0) - 1  # [length]
     position_ids = torch.cat([positions[length - num_missing:], positions[-1] + node_depths])  # [missing + m]
-    logits = model(
-        input_ids=torch.cat([missing_ids, node_ids])[None], position_ids=position_ids[None],
-        attention_mask=_model_mask(model, visible), cache=cache, use_cache=True,
-    ).logits[0]
+    inputs = {"input_ids": torch.cat([missing_ids, node_ids])[None], "position_ids": position_ids[None],
+              "attention_mask": _model_mask(model, visible), "cache": cache}
+    if _supports_logits_to_keep(type(model)):
+        inputs["logits_to_keep"] = num_logits
+    logits = model(**inputs, use_cache=True).logits[0, -num_logits:]
     return logits.to(dtype=torch.float32, copy=True)
 
 

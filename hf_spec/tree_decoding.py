@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.caches import cache_length, check_tree_cache, keep_tree_path
+from hf_spec.caches import check_tree_cache, keep_tree_path
 from hf_spec.decoding import DecodeResult, read_accepted, roll_back
 from hf_spec.drafting.base import DraftContext
 from hf_spec.drafting.tree import DraftTree, TreeDrafter
@@ -111,11 +111,11 @@ def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, tree: Dra
             logits_processor: LogitsProcessorList) -> tuple[torch.Tensor, torch.Tensor]:
     """``(raw logits, processed scores)``, each ``[n + 1, vocab]``: after the root and after each node, each
     processed with its own prefix (the committed row and the node's path)."""
-    num_missing = batch.model_ids.shape[1] - cache_length(target_cache)
     logits = forward_tree(
         target, target_cache, batch.model_ids, batch.model_mask, tree.token_ids,
         torch.tensor(tree.depths, dtype=torch.long, device=tree.token_ids.device), tree.visibility(),
-    )[num_missing - 1:]  # [n + 1, vocab]
+        num_logits=tree.num_nodes + 1,
+    )  # [n + 1, vocab]
     scores = []
     for node in range(-1, tree.num_nodes):
         row_ids, lengths = batch.row_view(tree.token_ids[tree.path_to(node)][None])

@@ -13,7 +13,10 @@ rotates from one prompt to the next), after a warm-up call of each. Methods (`ME
 - ``hf_spec``: ours, ``num_assistant_tokens=k``; ``hf_spec_k<N>``: ours with k = N; ``hf_spec_auto``: ours with
   ``num_assistant_tokens="auto"``;
 - ``hf_spec_lookup``: our prompt lookup, ``prompt_lookup_num_tokens=k``; ``hf_spec_lookup_draft``: lookup first, the
-  draft model when nothing matches.
+  draft model when nothing matches;
+- ``hf_spec_tree<N>``: ours with a tree of at most N draft-model tokens per round, at most k deep
+  (``num_tree_nodes=N``); ``hf_spec_suffix<N>``: suffix matching, a tree of at most N continuation tokens, at most k
+  deep (``prompt_lookup_num_tokens=k, num_tree_nodes=N``).
 
 Workloads: ``code`` (HumanEval prompts completed as text), ``prose`` (chat requests for prose), ``edit`` (chat requests
 to add type hints to a given HumanEval solution: the answer copies much of the input). Sampled runs of one prompt
@@ -63,6 +66,7 @@ SETTINGS = {
     "sampled": {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
 }
 _FIXED_K = re.compile(r"hf_spec_k([1-9][0-9]*)")
+_TREE = re.compile(r"hf_spec_(tree|suffix)([1-9][0-9]*)")
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
@@ -82,6 +86,11 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     if fixed or method == "hf_spec":
         n = int(fixed.group(1)) if fixed else k
         return MethodSpec(True, True, {"num_assistant_tokens": n}, fixed_num_draft_tokens=n)
+    tree = _TREE.fullmatch(method)
+    if tree:
+        uses_draft = tree.group(1) == "tree"
+        depth = {"num_assistant_tokens": k} if uses_draft else {"prompt_lookup_num_tokens": k}
+        return MethodSpec(True, uses_draft, {**depth, "num_tree_nodes": int(tree.group(2))})
     specs = {
         "target_only": MethodSpec(False, False, {}),
         "transformers": MethodSpec(False, True, {}, {
@@ -99,7 +108,8 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
         "hf_spec_lookup_draft": MethodSpec(True, True, {"prompt_lookup_num_tokens": k}),
     }
     if method not in specs:
-        raise ValueError(f"Unknown method {method!r}; choose from {METHODS} or 'hf_spec_k<N>'.")
+        raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>' or "
+                         "'hf_spec_suffix<N>'.")
     return specs[method]
 
 

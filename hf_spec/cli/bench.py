@@ -45,8 +45,9 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
                         help="greedy, and/or sampled at temperature 0.7, top-p 0.9")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
-                        help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N); target_only is always "
-                             "run, every ratio is relative to it (default: %(default)s)")
+                        help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N), hf_spec_tree<N> (a "
+                             "tree of N draft tokens, k deep), hf_spec_suffix<N> (suffix matching, N tokens); "
+                             "target_only is always run, every ratio is relative to it (default: %(default)s)")
     parser.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
                         help="also run every method on the target quantized with each scheme (reported as "
                              "<method>@<scheme>, same draft, interleaved with the rest)")

@@ -3,6 +3,9 @@
 - `base`: the `Drafter` contract (`Proposal`, `DraftContext`);
 - `model`: `ModelDrafter`, a draft model;
 - `lookup`: `PromptLookupDrafter` and `LookupThenModel`, drafts at no model cost;
+- `tree`: the tree contract (`DraftTree`, `TreeDrafter`); `model_tree`: `ModelTreeDrafter`, a draft model that
+  branches; `suffix`: `SuffixDrafter`, several continuations from suffix matches;
+- `from_arguments`: the drafter a ``generate()`` call asks for;
 - `draft_length`: k per round, fixed (`FixedDraftLength`) or chosen from measured acceptance and costs
   (`AutoDraftLength`);
 - `speedup`: the arithmetic of the speed-up formula.
@@ -15,15 +18,22 @@ from hf_spec.drafting.base import DraftContext, Drafter, Proposal, align_vocab
 from hf_spec.drafting.draft_length import AutoDraftLength, FixedDraftLength
 from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
 from hf_spec.drafting.model import ModelDrafter
+from hf_spec.drafting.model_tree import ModelTreeDrafter
+from hf_spec.drafting.suffix import SuffixDrafter
+from hf_spec.drafting.tree import DraftTree, TreeDrafter
 
 __all__ = [
     "AutoDraftLength",
     "DraftContext",
+    "DraftTree",
     "Drafter",
     "FixedDraftLength",
     "LookupThenModel",
     "ModelDrafter",
+    "ModelTreeDrafter",
     "PromptLookupDrafter",
     "Proposal",
+    "SuffixDrafter",
+    "TreeDrafter",
     "align_vocab",
 ]

@@ -12,6 +12,8 @@ from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter
 from hf_spec.drafting.tree import TreeDrafter
 
+SUFFIX_NGRAM_SIZE = 4
+
 
 def make_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num_tokens: int | None,
                  ngram_size: int) -> Drafter:
@@ -33,8 +35,8 @@ def make_tree_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num
     if isinstance(draft, Drafter):
         raise TypeError(f"`num_tree_nodes` needs a drafter that proposes trees (a TreeDrafter), but "
                         f"`assistant_model` is a {type(draft).__name__}.")
-    if draft is None:
-        return SuffixDrafter(max_ngram_size=ngram_size)
+    if draft is None:  # suffix matching: longer matches than prompt lookup's default 2 choose better continuations
+        return SuffixDrafter(max_ngram_size=max(SUFFIX_NGRAM_SIZE, ngram_size))
     if prompt_lookup_num_tokens is not None:
         raise ValueError("`num_tree_nodes` with both `assistant_model` and `prompt_lookup_num_tokens` is not "
                          "supported: pass one of them (the draft model's tree, or suffix matching).")

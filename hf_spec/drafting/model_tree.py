@@ -37,7 +37,7 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
             instead of without replacement (which never proposes the same token twice, so it is accepted more).
     """
 
-    def __init__(self, model: PreTrainedModel, branching: int = 2, width: int = 2, replacement: bool = False):
+    def __init__(self, model: PreTrainedModel, branching: int = 2, width: int = 1, replacement: bool = False):
         super().__init__(model)
         self.branching, self.width = check_int("branching", branching), check_int("width", width)
         self.replacement = bool(replacement)
@@ -57,7 +57,8 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
         logits = forward_tree(
             self.model, self.cache, self._clamped(batch.model_ids, context), batch.model_mask,
             batch.model_ids[0, :0], batch.model_ids.new_zeros(0), torch.zeros((0, 0), dtype=torch.bool, device=device),
-        )[-1:]  # [1, draft vocab]
+            num_logits=1,
+        )  # [1, draft vocab]
         is_invalid[0] |= has_invalid_values(logits)
         scores = self._scores(batch, [[]], logits, context)  # [[vocab]]
         self._num_committed = batch.model_ids.shape[1]
@@ -85,7 +86,7 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
             logits = forward_tree(
                 self.model, self.cache, self._clamped(batch.model_ids, context), batch.model_mask,
                 self._clamped(torch.stack([tokens[i] for i in level]), context),
-                torch.tensor([depth] * len(level), device=device), visible[len(self._fed):],
+                torch.tensor([depth] * len(level), device=device), visible[len(self._fed):], num_logits=len(level),
             )  # [len(level), draft vocab]
             self._fed += level
             num_steps += 1
