@@ -21,7 +21,7 @@ from hf_spec.caches import keep_tree_path
 from hf_spec.checks import check_int
 from hf_spec.drafting.base import DraftContext, align_vocab
 from hf_spec.drafting.model import ModelDrafter
-from hf_spec.drafting.tree import DraftTree, TreeDrafter
+from hf_spec.drafting.tree import DraftTree, TreeDrafter, path_to
 from hf_spec.forward import forward_tree, has_invalid_values
 from hf_spec.rejection import sample_from_weights
 from hf_spec.rows import RaggedBatch
@@ -91,7 +91,7 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
             self._fed += level
             num_steps += 1
             is_invalid[0] |= has_invalid_values(logits)
-            scores = self._scores(batch, [_path(parents, i) for i in level], logits, context, tokens)
+            scores = self._scores(batch, [path_to(parents, i) for i in level], logits, context, tokens)
             frontier = level
 
         token_ids = torch.stack(tokens) if tokens else batch.model_ids[0, :0]
@@ -143,14 +143,6 @@ def _children(probs: torch.Tensor, scores: torch.Tensor, count: int, context: Dr
         law = law.clone()
         law[token] = 0
     return children
-
-
-def _path(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def _visibility(parents: list[int], order: list[int]) -> torch.Tensor:

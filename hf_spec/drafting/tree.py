@@ -50,11 +50,7 @@ class DraftTree:
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node`` (empty for the root, -1)."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_to(self.parents, node)
 
     def visibility(self) -> torch.Tensor:
         """``[n, n]`` bool: node i attends to node j when j is i or one of its ancestors."""
@@ -63,6 +59,15 @@ class DraftTree:
             if parent >= 0:
                 visible[node] |= visible[parent]
         return visible
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to ``node`` (empty for the root, -1), given each node's parent."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 class TreeDrafter(Drafter):
