@@ -84,7 +84,9 @@ def forward_tree(
                else attention_mask[0].bool())  # [length]
     num_new = num_missing + node_ids.shape[0]
     visible = torch.zeros((num_new, length + num_fed + node_ids.shape[0]), dtype=torch.bool, device=device)
+    # a padding position sees itself: a query that sees nothing gives NaN in some attention kernels
     causal = torch.ones((length, length), dtype=torch.bool, device=device).tril_() & is_real  # [length, length]
+    causal |= torch.eye(length, dtype=torch.bool, device=device)
     visible[:num_missing, :length] = causal[length - num_missing:]
     visible[num_missing:, :length] = is_real
     visible[num_missing:, length:] = node_visible

@@ -209,6 +209,17 @@ def test_greedy_trees_equal_target_only_and_keep_the_path_in_the_cache(target, c
         assert out.speculative_stats.num_accepted > 0
 
 
+def test_left_padded_row_with_a_tree_equals_target_only():
+    model = speculative(make_tiny_model(seed=0, vocab_size=256))
+    prompt = torch.tensor([[0, 0, 0, 5, 9, 5, 9, 7, 5, 9]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    expected = model.generate(prompt, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    for tree in ({"assistant_model": make_noisy_copy(model, seed=3, noise=0.3)}, {"prompt_lookup_num_tokens": 4}):
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                             num_tree_nodes=8, **tree)
+        assert torch.equal(out, expected)
+
+
 def test_tree_stops_inside_a_path_exactly_as_target_only(small_target):
     model = speculative(make_tiny_model(seed=0, vocab_size=256))
     prompt = torch.tensor([[5, 9, 5, 9, 7, 5, 9]])
