@@ -86,13 +86,18 @@ def keep_tree_path(cache: Cache, num_committed: int, columns: list[int]) -> None
     kept as they are, not recomputed); drop the rest of the tree.
 
     Only ``DynamicLayer`` caches can be rearranged this way (`check_tree_cache`).
+    The path's few entries are gathered and written over the positions right after the prefix, then the rest is cut
+    off (a view): the cache itself is not copied.
     """
+    end = num_committed + len(columns)
     for layer in cache.layers:
         if not layer.is_initialized or layer.keys.numel() == 0:
             continue
         index = torch.tensor(columns, dtype=torch.long, device=layer.keys.device) + num_committed
-        layer.keys = torch.cat([layer.keys[..., :num_committed, :], layer.keys.index_select(-2, index)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :num_committed, :], layer.values.index_select(-2, index)], dim=-2)
+        for name in ("keys", "values"):
+            states = getattr(layer, name)  # [batch, heads, positions, head_dim]
+            states[..., num_committed:end, :] = states.index_select(-2, index)  # gathered first: a small copy
+            setattr(layer, name, states[..., :end, :])
 
 
 def check_tree_cache(cache: Cache, argument: str) -> None:

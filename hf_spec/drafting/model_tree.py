@@ -55,7 +55,7 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
         # Depth 0: the draft catches up on the committed tokens it lacks; q at the root.
         frontier = [-1]
         logits = forward_tree(
-            self.model, self.cache, self._clamped(batch.model_ids, context), batch.model_mask,
+            self.model, self.cache, self._clamped(batch.model_ids), batch.model_mask,
             batch.model_ids[0, :0], batch.model_ids.new_zeros(0), torch.zeros((0, 0), dtype=torch.bool, device=device),
             num_logits=1,
         )  # [1, draft vocab]
@@ -84,8 +84,8 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
             level = sorted(range(start, len(parents)), key=lambda i: -values[i])[: self.width]
             visible = _visibility(parents, self._fed + level).to(device)
             logits = forward_tree(
-                self.model, self.cache, self._clamped(batch.model_ids, context), batch.model_mask,
-                self._clamped(torch.stack([tokens[i] for i in level]), context),
+                self.model, self.cache, self._clamped(batch.model_ids), batch.model_mask,
+                self._clamped(torch.stack([tokens[i] for i in level])),
                 torch.tensor([depth] * len(level), device=device), visible[len(self._fed):], num_logits=len(level),
             )  # [len(level), draft vocab]
             self._fed += level
@@ -109,7 +109,7 @@ class ModelTreeDrafter(ModelDrafter, TreeDrafter):
         keep_tree_path(self.cache, self._num_committed, fed)
         self._fed = []
 
-    def _clamped(self, ids: torch.Tensor, context: DraftContext) -> torch.Tensor:
+    def _clamped(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids past the draft's embedding rows are only conditioning: clamped (see `ModelDrafter.propose`)."""
         return ids.clamp(max=self.model.get_input_embeddings().num_embeddings - 1)
 
