@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_spec.caches import crop_to, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter
 from hf_spec.drafting.draft_length import AutoDraftLength, FixedDraftLength
-from hf_spec.forward import extend_mask, forward_missing, has_invalid_values
+from hf_spec.forward import extend_mask, forward_missing, forward_missing_with_features, has_invalid_values
 from hf_spec.recording import OutputRecorder, RoundTimer
 from hf_spec.rejection import accept_draft_tokens, accept_greedy
 from hf_spec.rows import RaggedBatch
@@ -90,8 +90,9 @@ def speculative_decode(
             draft_ids, k = proposal.draft_ids, proposal.num_draft_tokens  # [active, k]
             timer.mark_drafted(draft_ids)
 
-            # 2. Verify: one target pass over the block gives k + 1 raw logits, processed position by position.
-            block_logits, block_scores = _verify(target, target_cache, batch, draft_ids, logits_processor)
+            # 2. Verify: one target pass over the block gives k + 1 raw logits, processed position by position (and
+            #    the hidden states a draft head reads).
+            block_logits, block_scores = _verify(target, target_cache, batch, draft_ids, logits_processor, drafter)
 
             # 3. Accept a prefix of each row's draft, then one recovered or bonus token.
             if context.do_sample:
@@ -123,14 +124,19 @@ def speculative_decode(
 
 
 def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, draft_ids: torch.Tensor,
-            logits_processor: LogitsProcessorList) -> tuple[torch.Tensor, torch.Tensor]:
+            logits_processor: LogitsProcessorList, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
     """``(raw logits, processed scores)``, each ``[active, k + 1, vocab]``: one target pass over the tokens its cache
-    lacks plus the block ``draft_ids`` ``[active, k]``, each position processed with its own prefix."""
+    lacks plus the block ``draft_ids`` ``[active, k]``, each position processed with its own prefix. A drafter with
+    ``feature_layers`` observes those hidden states of every token fed."""
     k = draft_ids.shape[1]
-    block_logits = forward_missing(
-        target, target_cache, torch.cat([batch.model_ids, draft_ids], dim=1), extend_mask(batch.model_mask, k),
-        num_logits=k + 1,
-    )  # [active, k + 1, vocab]
+    sequence_ids, mask = torch.cat([batch.model_ids, draft_ids], dim=1), extend_mask(batch.model_mask, k)
+    if drafter.feature_layers is None:
+        block_logits = forward_missing(target, target_cache, sequence_ids, mask, num_logits=k + 1)
+    else:
+        block_logits, features = forward_missing_with_features(target, target_cache, sequence_ids, mask, k + 1,
+                                                               drafter.feature_layers)  # features [active, fed, F]
+        drafter.observe(features, start=sequence_ids.shape[1] - features.shape[1])
+    # block_logits: [active, k + 1, vocab]
     row_ids, lengths = batch.row_view(draft_ids[:, :0])
     block_scores = batch.to_active(process_block(
         logits_processor, row_ids, batch.to_batch(draft_ids, batch.pad_token_id), batch.to_batch(block_logits),

@@ -30,6 +30,30 @@ def forward_missing(
     Returns:
         ``[batch, num_logits, vocab]`` float32 logits (a new tensor).
     """
+    logits = model(**_missing_inputs(model, cache, sequence_ids, attention_mask, num_logits), use_cache=True).logits
+    return logits[:, -num_logits:].to(dtype=torch.float32, copy=True)
+
+
+def forward_missing_with_features(
+    model: PreTrainedModel,
+    cache,
+    sequence_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    num_logits: int,
+    feature_layers: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_missing`, also returning the hidden states ``feature_layers`` selects (indices into transformers'
+    ``output_hidden_states`` tuple; only those are kept) at every token fed, concatenated:
+    ``[batch, fed, hidden * len(feature_layers)]`` in the model's dtype, for a draft head."""
+    output = model(**_missing_inputs(model, cache, sequence_ids, attention_mask, num_logits), use_cache=True,
+                   output_hidden_states=list(feature_layers))
+    features = torch.cat([output.hidden_states[i] for i in feature_layers], dim=-1)  # [batch, fed, F]
+    return output.logits[:, -num_logits:].to(dtype=torch.float32, copy=True), features
+
+
+def _missing_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    num_logits: int) -> dict:
+    """The keyword arguments of a forward pass over the tokens the cache lacks (positions from the mask)."""
     num_cached = cache_length(cache)
     assert num_cached + num_logits <= sequence_ids.shape[1], (num_cached, num_logits, sequence_ids.shape)
     if attention_mask is None:
@@ -41,8 +65,7 @@ def forward_missing(
         inputs["attention_mask"] = attention_mask
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
-    logits = model(**inputs, use_cache=True).logits[:, -num_logits:]
-    return logits.to(dtype=torch.float32, copy=True)
+    return inputs
 
 
 def forward_tree(

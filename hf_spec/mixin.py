@@ -48,6 +48,7 @@ from hf_spec.drafting import AutoDraftLength
 from hf_spec.drafting.costs import probe_costs
 from hf_spec.drafting.draft_length import FixedDraftLength
 from hf_spec.drafting.from_arguments import make_drafter, make_tree_drafter
+from hf_spec.heads.model import DraftHead
 from hf_spec.stats import SpeculativeStats
 from hf_spec.tree_decoding import tree_decode
 from hf_spec.validation import (
@@ -166,7 +167,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
                                        generation_config, streamer, model_kwargs)
         if isinstance(draft_length, AutoDraftLength) and not draft_length.has_costs:
             # measured once per process and models: auto k starts from the costs instead of exploring
-            draft_model = assistant_model if isinstance(assistant_model, PreTrainedModel) else None
+            # (a draft head's cost is learnt from the rounds: it needs the target's features to run)
+            is_model = isinstance(assistant_model, PreTrainedModel) and not isinstance(assistant_model, DraftHead)
+            draft_model = assistant_model if is_model else None
             draft_length.start_from(probe_costs(self, draft_model, draft_length.max_draft_tokens))
         result = speculative_decode(
             self,

@@ -17,6 +17,7 @@ from hf_spec.drafting.draft_length import (
     AutoDraftLength,
     FixedDraftLength,
 )
+from hf_spec.heads.model import DraftHead
 
 #: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
 SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
@@ -34,7 +35,7 @@ def resolve_num_draft_tokens(
     """
     value = call_value
     if value is None and isinstance(draft, PreTrainedModel):
-        value = getattr(draft.generation_config, "num_assistant_tokens", None)
+        value = getattr(getattr(draft, "generation_config", None), "num_assistant_tokens", None)
     if value is None:
         value = prompt_lookup_num_tokens
     if value is None:
@@ -77,6 +78,8 @@ def validate_speculative_call(
                         f"{type(draft).__name__}.")
     if isinstance(draft, Drafter):
         draft = None  # a drafter of your own: nothing model-shaped to check
+    if isinstance(draft, DraftHead):
+        draft.check_target(target)
     prompt_lookup_num_tokens, _ = resolve_prompt_lookup(generation_config)
     resolve_num_draft_tokens(num_assistant_tokens, draft, prompt_lookup_num_tokens)
     for name, model in (("model", target), ("assistant_model", draft)):

@@ -86,3 +86,41 @@ def test_smollm2_real_model_greedy_batch_equals_target_only():
                              **settings)
     assert torch.equal(output.sequences, expected)
     assert 0 < output.speculative_stats.acceptance_rate < 1
+
+
+def _convert_in(cache, *names):
+    for name in names:
+        folder = pretrained.converted_folder(pretrained.PACKAGED_MODELS[name], cache)
+        folder.mkdir(parents=True)
+        (folder / pretrained._DONE).touch()
+
+
+def test_notebooks_use_the_real_pair_only_once_both_are_converted(tmp_path, monkeypatch):
+    from hf_spec.loading.pair import MODELS_VARIABLE, use_real_models
+
+    monkeypatch.delenv(MODELS_VARIABLE, raising=False)
+    assert use_real_models(cache=tmp_path)[0] is False
+    _convert_in(tmp_path, pretrained.DEFAULT_TARGET)
+    assert use_real_models(cache=tmp_path)[0] is False  # the draft is still missing: nothing is downloaded unasked
+    _convert_in(tmp_path, pretrained.DEFAULT_DRAFT)
+    real, why = use_real_models(cache=tmp_path)
+    assert real is True and str(tmp_path) in why
+    assert pretrained.is_converted(pretrained.DEFAULT_DRAFT, tmp_path)
+
+
+def test_the_environment_forces_either_pair_and_the_argument_wins(tmp_path, monkeypatch):
+    from hf_spec.loading.pair import MODELS_VARIABLE, use_real_models
+
+    _convert_in(tmp_path, pretrained.DEFAULT_TARGET, pretrained.DEFAULT_DRAFT)
+    monkeypatch.setenv(MODELS_VARIABLE, "tiny")
+    assert use_real_models(cache=tmp_path) == (False, f"${MODELS_VARIABLE}=tiny")
+    monkeypatch.setenv(MODELS_VARIABLE, "real")
+    assert use_real_models(cache=tmp_path / "empty")[0] is True
+    assert use_real_models(False, cache=tmp_path)[0] is False
+    monkeypatch.setenv(MODELS_VARIABLE, "qwen")
+    with pytest.raises(ValueError, match=r"\$HF_SPEC_MODELS must be 'real' or 'tiny', but is 'qwen'"):
+        use_real_models(cache=tmp_path)
+    with pytest.raises(TypeError, match="`real_models` must be True, False or None, but is 'yes'"):
+        use_real_models("yes")
+    with pytest.raises(ValueError, match="`name` must be a built-in model"):
+        pretrained.is_converted("gpt2", tmp_path)

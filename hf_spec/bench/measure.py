@@ -92,3 +92,11 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
     }
+
+
+def describe_machine(info: dict | None = None) -> str:
+    """One line naming the CPU (or GPU), the CPU class, threads, library versions and date (from `machine_info`)."""
+    info = info or machine_info()
+    device = info["cuda"] or f"{info['cpu']} ({info['cpu_class']})"
+    return (f"{device}, {info['threads']} threads, torch {info['torch']}, transformers {info['transformers']}, "
+            f"{info['date']}")

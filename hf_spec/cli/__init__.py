@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_spec.cli import bench, distill, eval_draft, generate
+from hf_spec.cli import bench, distill, eval_draft, generate, train_head
 from hf_spec.cli.common import model_arguments
 
-SUBCOMMANDS = (generate, bench, eval_draft, distill)
+SUBCOMMANDS = (generate, bench, eval_draft, distill, train_head)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

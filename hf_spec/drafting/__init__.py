@@ -2,6 +2,7 @@
 
 - `base`: the `Drafter` contract (`Proposal`, `DraftContext`);
 - `model`: `ModelDrafter`, a draft model;
+- `head`: `HeadDrafter`, a draft head (`hf_spec.heads`) reading the target's hidden states from the verify pass;
 - `lookup`: `PromptLookupDrafter` and `LookupThenModel`, drafts at no model cost;
 - `tree`: the tree contract (`DraftTree`, `TreeDrafter`); `model_tree`: `ModelTreeDrafter`, a draft model that
   branches; `suffix`: `SuffixDrafter`, several continuations from suffix matches;
@@ -16,6 +17,7 @@ evaluation, bench, cli).
 
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, align_vocab
 from hf_spec.drafting.draft_length import AutoDraftLength, FixedDraftLength
+from hf_spec.drafting.head import HeadDrafter
 from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.model_tree import ModelTreeDrafter
@@ -28,6 +30,7 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "FixedDraftLength",
+    "HeadDrafter",
     "LookupThenModel",
     "ModelDrafter",
     "ModelTreeDrafter",

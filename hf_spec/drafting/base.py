@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
+from hf_spec.forward import has_invalid_values
+from hf_spec.rejection import sample_from_weights
 from hf_spec.rows import RaggedBatch
+from logits_processors import process_step
 
 
 @dataclasses.dataclass
@@ -44,11 +47,21 @@ class DraftContext:
 
 
 class Drafter(abc.ABC):
-    """Proposes draft tokens; keeps whatever state it has consistent with the loop's rollbacks."""
+    """Proposes draft tokens; keeps whatever state it has consistent with the loop's rollbacks.
+
+    A drafter that reads the target's hidden states (a draft head) names them in ``feature_layers`` (indices into
+    transformers' ``output_hidden_states`` tuple); the loop's verify pass then hands them to `observe`.
+    """
+
+    feature_layers: list[int] | None = None
 
     @abc.abstractmethod
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
         """Up to ``num_draft_tokens`` tokens for every active row of ``batch`` (the same number for all of them)."""
+
+    def observe(self, features: torch.Tensor, start: int) -> None:
+        """The target's ``feature_layers`` hidden states ``[active, fed, F]`` for the columns ``start ..`` its verify
+        pass fed (committed tokens and this round's drafts; a rollback follows)."""
 
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         """Keep at most ``num_cached`` positions of state, and only ``staying_rows`` (indices into the active rows)."""
@@ -69,3 +82,33 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if logits.shape[-1] > vocab_size:
         return logits[..., :vocab_size]
     return F.pad(logits, (0, vocab_size - logits.shape[-1]), value=float("-inf"))
+
+
+def draw_next(logits: torch.Tensor, batch: RaggedBatch, draft_ids: torch.Tensor,
+              context: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The next draft token of every active row, from a draft's raw logits ``[active, draft vocab]``: processed by the
+    call's chain with the row's prefix and ``draft_ids`` ``[active, i]``, then sampled (argmax when greedy).
+
+    Returns:
+        ``(next_ids [active], probs [active, vocab] or None when greedy, is_invalid [2])``: the law each token was
+        drawn from, and whether the raw logits / processed scores were unusable.
+    """
+    logits = align_vocab(logits, context.vocab_size)  # [active, vocab]
+    row_ids, lengths = batch.row_view(draft_ids)
+    step_scores = batch.to_active(
+        process_step(context.logits_processor, row_ids, batch.to_batch(logits), lengths)
+    )  # [active, vocab]
+    is_invalid = torch.stack([has_invalid_values(logits), has_invalid_values(step_scores)])
+    if not context.do_sample:
+        return step_scores.argmax(dim=-1), None, is_invalid
+    probs = step_scores.softmax(dim=-1)
+    return sample_from_weights(probs, context.generator), probs, is_invalid
+
+
+def stack_laws(probs: list[torch.Tensor], draft_ids: torch.Tensor, context: DraftContext) -> torch.Tensor | None:
+    """``[active, k, vocab]`` the laws of a chain's draft tokens (``None`` when greedy)."""
+    if not context.do_sample:
+        return None
+    if probs:
+        return torch.stack(probs, dim=1)
+    return torch.empty((draft_ids.shape[0], 0, context.vocab_size), device=draft_ids.device)

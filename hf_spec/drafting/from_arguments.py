@@ -1,16 +1,18 @@
-"""Which drafter a ``generate()`` call asks for: a draft model, prompt lookup, both, a `Drafter` of the user's, and
-the tree form of each (``num_tree_nodes``)."""
+"""Which drafter a ``generate()`` call asks for: a draft model, a draft head, prompt lookup, both, a `Drafter` of the
+user's, and the tree form of each (``num_tree_nodes``)."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
 
 from hf_spec.drafting.base import Drafter
+from hf_spec.drafting.head import HeadDrafter
 from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter
 from hf_spec.drafting.tree import TreeDrafter
+from hf_spec.heads.model import DraftHead
 
 SUFFIX_NGRAM_SIZE = 4
 
@@ -21,6 +23,11 @@ def make_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num_toke
     passed as ``assistant_model`` is used as it is (a fresh state for each call is its own business)."""
     if isinstance(draft, Drafter):
         return draft
+    if isinstance(draft, DraftHead):
+        if prompt_lookup_num_tokens is not None:
+            raise ValueError("`prompt_lookup_num_tokens` with a draft head as `assistant_model` is not supported: "
+                             "pass one of them.")
+        return HeadDrafter(draft)
     lookup = PromptLookupDrafter(max_ngram_size=ngram_size) if prompt_lookup_num_tokens is not None else None
     if draft is None:
         return lookup
@@ -35,6 +42,9 @@ def make_tree_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num
     if isinstance(draft, Drafter):
         raise TypeError(f"`num_tree_nodes` needs a drafter that proposes trees (a TreeDrafter), but "
                         f"`assistant_model` is a {type(draft).__name__}.")
+    if isinstance(draft, DraftHead):
+        raise TypeError("`num_tree_nodes` with a draft head as `assistant_model` is not supported yet: trees are "
+                        "drafted by a draft model or by suffix matching.")
     if draft is None:  # suffix matching: longer matches than prompt lookup's default 2 choose better continuations
         return SuffixDrafter(max_ngram_size=max(SUFFIX_NGRAM_SIZE, ngram_size))
     if prompt_lookup_num_tokens is not None:

