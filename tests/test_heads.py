@@ -226,3 +226,46 @@ def test_training_a_few_steps_raises_agreement_and_acceptance(tmp_path):
 
     assert accepted(trained) > accepted(untrained)
     assert isinstance(DraftHead.from_pretrained(tmp_path / "head"), DraftHead)
+
+
+def test_train_head_runs_under_accelerate_launch_with_two_processes(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` on a CPU machine: two processes, gloo, one Trainer."""
+    import json
+    import subprocess
+    import sys
+
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_spec",
+               "train-head", "--target", "tiny", "--output-dir", str(tmp_path / "head"), "--num-texts", "24",
+               "--max-new-tokens", "16", "--max-steps", "10", "--eval-steps", "5", "--no-progress", "--threads", "1",
+               "--output", str(report)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["num_processes"] == 2
+    assert [point["step"] for point in result["learning_curve"]] == [5, 10]
+    assert (tmp_path / "head" / "learning_curve.png").stat().st_size > 0
+    assert isinstance(DraftHead.from_pretrained(tmp_path / "head"), DraftHead)
+
+
+def test_a_trained_head_runs_in_hf_spec_bench_beside_the_draft(tmp_path):
+    """``hf-spec train-head`` then ``hf-spec bench --draft-variants HEAD``: hf_spec's methods run on the head (its
+    step cost measured), transformers' methods do not, and greedy output stays target-only's."""
+    import json
+
+    from hf_spec.cli import main
+
+    head_dir = tmp_path / "head"
+    assert main(["train-head", "--target", "tiny", "--output-dir", str(head_dir), "--num-texts", "16",
+                 "--max-new-tokens", "12", "--max-steps", "4", "--eval-steps", "2", "--no-progress",
+                 "--output", str(tmp_path / "train.json")]) == 0
+    assert main(["bench", "--target", "tiny", "--draft", "tiny", "--prompts", "1", "--max-new-tokens", "8",
+                 "--workloads", "code", "--methods", "transformers", "hf_spec", "--draft-variants", str(head_dir),
+                 "--no-progress", "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png")]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    methods = report["config"]["methods"]
+    assert "hf_spec@head" in methods and "transformers@head" not in methods
+    assert report["costs"]["code@head"]["draft_step_seconds"] > 0
+    greedy = [row for row in report["results"] if row["setting"] == "greedy" and row["method"] == "hf_spec@head"]
+    assert greedy and greedy[0]["identical_to_target_only"] == 1.0

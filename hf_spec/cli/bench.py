@@ -15,6 +15,7 @@ from hf_spec.bench.runner import DEFAULT_METHODS, METHODS, SETTINGS, method_spec
 from hf_spec.bench.workloads import WORKLOADS, random_workloads, text_workloads
 from hf_spec.cli.common import load_models, positive_int
 from hf_spec.drafting.vocabulary import prune_vocabulary
+from hf_spec.heads.model import DraftHead, DraftHeadConfig
 from hf_spec.loading.packed import optimize
 from hf_spec.loading.pair import TINY, draft_vocabulary, place_draft
 from hf_spec.loading.pretrained import load
@@ -88,6 +89,22 @@ def _kernel_baselines(args: argparse.Namespace, pair) -> dict:
     return baselines
 
 
+def is_draft_head(name: str) -> bool:
+    """Whether the folder ``name`` holds a `DraftHead` (its config's model type)."""
+    config = Path(name) / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("model_type") == DraftHeadConfig.model_type
+
+
+def runs_on(spec, variant) -> bool:
+    """Whether a method runs on a variant: every method on another target; on another draft, the methods that use
+    one; on a draft head, hf_spec's chains (transformers cannot run a head, trees from heads are not built)."""
+    if not isinstance(variant, tuple):
+        return True
+    if isinstance(variant[1], DraftHead):
+        return spec.uses_draft and spec.is_ours and "num_tree_nodes" not in spec.generate_kwargs
+    return spec.uses_draft
+
+
 def _variants(args: argparse.Namespace, pair) -> dict:
     """``--variants``: the target again, quantized with each scheme; ``--draft-variants``: (target, other draft)."""
     target, tokenizer = pair.target, pair.tokenizer
@@ -104,6 +121,16 @@ def _variants(args: argparse.Namespace, pair) -> dict:
         label = Path(name).name
         if label in variants:
             raise SystemExit(f"--draft-variants {name}: the label {label!r} is taken; rename the folder.")
+        if is_draft_head(name):  # a head built for this target: checked against it, dense kernels for its steps
+            head = DraftHead.from_pretrained(name).to(dtype=pair_dtype, device=target.device).eval()
+            try:
+                head.check_target(target)
+            except ValueError as error:
+                raise SystemExit(f"--draft-variants {name}: {error}") from None
+            if not args.no_optimize:
+                optimize(head, path="dense", role="steps")
+            variants[label] = (target, head)
+            continue
         if args.target == TINY:
             raise SystemExit(f"--draft-variants {name}: the tiny pair has no tokenizer to check a draft against.")
         draft, draft_tokenizer = load(name, dtype=pair_dtype, quantize=args.quantize_draft)
@@ -134,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     methods = tuple(dict.fromkeys(["target_only", *args.methods]))
     variants = _variants(args, pair)
     methods = (*methods, *(f"{method}@{label}" for label, variant in variants.items() for method in methods
-                           if not isinstance(variant, tuple) or method_spec(method, 1).uses_draft))
+                           if runs_on(method_spec(method, 1), variant)))
     baselines = _kernel_baselines(args, pair)
     methods, variants = (*methods, *(f"target_only@{label}" for label in baselines)), {**variants, **baselines}
     report = run_benchmark(

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     plot_curve(curve, before["agreement"], output_dir / "learning_curve.png")
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
-    write_report({"output_dir": str(output_dir), "train_sequences": len(train), "held_out_sequences": len(held_out),
+    write_report({"output_dir": str(output_dir), "num_processes": PartialState().num_processes,
+                  "train_sequences": len(train), "held_out_sequences": len(held_out),
                   "before": before, "after": after, "learning_curve": curve, "log_history": history}, args.output)
     return 0
 

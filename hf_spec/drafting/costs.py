@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
 from hf_spec.drafting.speedup import predicted_speedup
+from hf_spec.heads.model import DraftHead
 
 #: Tokens of random context before the timed passes (costs grow slowly with the cache length).
 PROBE_PREFIX_LENGTH = 128
@@ -73,9 +74,30 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, prefix
     step (0 without a draft model)."""
     target_seconds = forward_seconds(target, prefix_ids.to(target.device), sorted({1, *block_sizes}), repeats)
     draft_seconds = 0.0
-    if draft is not None:
+    if isinstance(draft, DraftHead):
+        draft_seconds = head_step_seconds(draft, prefix_ids.to(draft.device), repeats)
+    elif draft is not None:
         draft_seconds = forward_seconds(draft, prefix_ids.to(draft.device), [1], repeats)[1]
     return CostTable(target_seconds[1], draft_seconds, target_seconds)
+
+
+@torch.no_grad()
+def head_step_seconds(head: DraftHead, prefix_ids: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds of a draft head's step (one token fed with its own predicted feature) on top of a cached
+    ``prefix_ids`` ``[1, S]`` read with (zero) target features."""
+    cache = new_cache(head.decoder)
+    width = head.config.target_hidden_size * len(head.config.feature_layers)
+    features = torch.zeros((*prefix_ids.shape, width), dtype=head.dtype, device=prefix_ids.device)
+    predicted = head(prefix_ids, features=features, cache=cache, logits_to_keep=1).hidden_states[:, -1:]
+    prefix, seconds = cache_length(cache), []
+    for _ in range(repeats):
+        synchronize(head.device)
+        started = time.perf_counter()
+        head(prefix_ids[:, -1:], predicted=predicted, cache=cache, logits_to_keep=1)
+        synchronize(head.device)
+        seconds.append(time.perf_counter() - started)
+        crop_to(cache, prefix)
+    return float(np.median(seconds))
 
 
 def synchronize(device: torch.device) -> None:

@@ -59,7 +59,6 @@ class HeadDrafter(Drafter):
         is_invalid = torch.zeros(2, dtype=torch.bool, device=model_ids.device)  # [raw logits, processed scores]
         if self.features is None or num_draft_tokens == 0:  # round 1: the target has not run yet
             return Proposal(draft_ids, stack_laws([], draft_ids, context), is_invalid, num_model_steps=0)
-        num_columns = model_ids.shape[1]
         real = (torch.ones_like(model_ids, dtype=torch.bool) if batch.model_mask is None
                 else batch.model_mask.bool())  # [active, columns]
         positions = real.long().cumsum(-1) - 1  # [active, columns]

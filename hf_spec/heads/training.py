@@ -36,8 +36,8 @@ from hf_spec.heads.model import DraftHead
 @torch.no_grad()
 def feature_dataset(target: PreTrainedModel, sequences: list[list[int]], feature_layers: list[int],
                     path: str | Path | None = None, progress: bool = True):
-    """Per sequence: ``input_ids`` [S], ``features`` [S, F] (the ``feature_layers`` hidden states, concatenated) and
-    ``last`` [S, hidden] (the target's last hidden state, after its final norm), float32.
+    """Per sequence: ``input_ids`` [S], ``features`` [S, F] (the ``feature_layers`` hidden states, concatenated) and,
+    unless the layers include it, ``last`` [S, hidden] (the target's last hidden state, after its final norm), float32.
 
     With ``path``, the dataset is kept in a folder under it keyed by the target's config, the layers and the
     sequences, and loaded from there when it exists.
@@ -56,30 +56,49 @@ def feature_dataset(target: PreTrainedModel, sequences: list[list[int]], feature
     text = target.config.get_text_config()
     layers = list(feature_layers)
     width = text.hidden_size * len(layers)
+    with_last = last_layer_slot(layers, text.num_hidden_layers) is None
 
     def rows():
         for ids in tqdm(sequences, desc="target features", disable=not progress):
             input_ids = torch.tensor([ids], device=target.device)
             hidden = target(input_ids, output_hidden_states=[*layers, -1]).hidden_states
-            yield {"input_ids": ids,
-                   "features": torch.cat([hidden[i] for i in layers], dim=-1)[0].float().cpu().numpy(),
-                   "last": hidden[-1][0].float().cpu().numpy()}
+            features = torch.cat([hidden[i] for i in layers], dim=-1)[0]  # [S, F]
+            row = {"input_ids": ids, "features": features.float().cpu().numpy()}
+            if with_last:
+                row["last"] = hidden[-1][0].float().cpu().numpy()
+            yield row
 
-    schema = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
-                                "features": datasets.Array2D((None, width), "float32"),
-                                "last": datasets.Array2D((None, text.hidden_size), "float32")})
+    columns = {"input_ids": datasets.Sequence(datasets.Value("int64")),
+               "features": datasets.Array2D((None, width), "float32")}
+    if with_last:
+        columns["last"] = datasets.Array2D((None, text.hidden_size), "float32")
+    schema = datasets.Features(columns)
     dataset = datasets.Dataset.from_list(list(rows()), features=schema)
     if path is not None:
         dataset.save_to_disk(str(path))
     return dataset.with_format("torch")
 
 
+def last_layer_slot(feature_layers: list[int], num_layers: int) -> int | None:
+    """Which of ``feature_layers`` is the target's last hidden state (its slot in the features), if any."""
+    slots = [slot for slot, index in enumerate(feature_layers) if index % (num_layers + 1) == num_layers]
+    return slots[0] if slots else None
+
+
+def last_hidden(batch: dict[str, torch.Tensor], config) -> torch.Tensor:
+    """``[B, S, hidden]`` the target's last hidden state: its own column, or its slot in the features."""
+    if "last" in batch:
+        return batch["last"]
+    slot = last_layer_slot(list(config.feature_layers), config.target_num_layers)
+    return batch["features"][..., slot * config.target_hidden_size: (slot + 1) * config.target_hidden_size]
+
+
 def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     """Right-pad a list of `feature_dataset` rows: ``input_ids`` [B, S], ``features`` [B, S, F], ``last``
-    [B, S, hidden], ``attention_mask`` [B, S]."""
+    [B, S, hidden] when present, ``attention_mask`` [B, S]."""
     width = max(len(example["input_ids"]) for example in examples)
     batch = {"attention_mask": torch.zeros(len(examples), width, dtype=torch.long)}
-    for name in ("input_ids", "features", "last"):
+    for name in [name for name in ("input_ids", "features", "last") if name in examples[0]]:
         tensors = [torch.as_tensor(example[name]) for example in examples]
         batch[name] = torch.stack([F.pad(t, [0, 0] * (t.dim() - 1) + [0, width - len(t)]) for t in tensors])
     for row, example in enumerate(examples):
@@ -103,18 +122,19 @@ def head_loss(head: torch.nn.Module, batch: dict[str, torch.Tensor], teacher: to
     """
     mask = batch["attention_mask"]
     pairs = (mask[:, :-1] * mask[:, 1:]).bool()  # [B, S - 1]
+    last = last_hidden(batch, getattr(head, "module", head).config)[:, 1:]  # [B, S - 1, hidden]
     output = head(batch["input_ids"][:, 1:], features=batch["features"][:, :-1],
                   attention_mask=mask[:, 1:])  # logits [B, S - 1, V]
     log_q = F.log_softmax(output.logits.float(), dim=-1)
     with torch.no_grad():
-        p = F.softmax(teacher(batch["last"][:, 1:].to(teacher.weight.dtype)).float(), dim=-1)  # [B, S - 1, V]
+        p = F.softmax(teacher(last.to(teacher.weight.dtype)).float(), dim=-1)  # [B, S - 1, V]
         reachable = torch.isfinite(log_q)
         p = p * reachable
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
     cross_entropy = -(p * log_q.masked_fill(~reachable, 0.0)).sum(-1)  # [B, S - 1]
     loss = cross_entropy[pairs].mean()
     if feature_weight:
-        distance = F.smooth_l1_loss(output.hidden_states.float(), batch["last"][:, 1:].float(), reduction="none")
+        distance = F.smooth_l1_loss(output.hidden_states.float(), last.float(), reduction="none")
         loss = loss + feature_weight * distance.mean(-1)[pairs].mean()
     agreements = (output.logits.argmax(-1) == p.argmax(-1)).float()
     return loss, agreements, pairs
@@ -142,8 +162,11 @@ class HeadTrainer(Trainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if "eval_loss" in logs and self._agreements:
-            logs["eval_agreement"] = float(torch.cat(self._agreements).mean())
+        if "eval_loss" in logs:  # every process evaluated its shard: add up (agreements, pairs) over processes
+            agreements = torch.cat(self._agreements) if self._agreements else torch.zeros(0)
+            totals = torch.tensor([agreements.sum(), len(agreements)], dtype=torch.float64, device=self.args.device)
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            logs["eval_agreement"] = float(totals[0] / totals[1].clamp_min(1))
             self._agreements = []
         super().log(logs, *args, **kwargs)
 
@@ -206,7 +229,8 @@ def evaluate_head(head: DraftHead, dataset, max_metric_positions: int = 256) -> 
         if sum(len(rows) for rows in p_rows) < max_metric_positions:
             output = head(batch["input_ids"][:, 1:], features=batch["features"][:, :-1],
                           attention_mask=batch["attention_mask"][:, 1:])
-            p_rows.append(F.softmax(teacher(batch["last"][:, 1:].to(teacher.weight.dtype)).double(), -1)[pairs])
+            last = last_hidden(batch, head.config)[:, 1:]
+            p_rows.append(F.softmax(teacher(last.to(teacher.weight.dtype)).double(), -1)[pairs])
             q_rows.append(F.softmax(output.logits.double(), -1)[pairs])
     p, q = torch.cat(p_rows)[:max_metric_positions], torch.cat(q_rows)[:max_metric_positions]
     metric = evaluate.load(METRIC_PATH)
