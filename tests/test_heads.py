@@ -3,6 +3,8 @@ equality, training, saving and loading, and errors by name."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -129,8 +131,12 @@ def sample_with_head(small, head, seed: int) -> np.ndarray:
     )[:, 3:].numpy()
 
 
-def test_sampling_with_a_head_follows_the_target_law(small_pair):
+@pytest.mark.parametrize("pruned", [False, True], ids=["full_vocabulary", "pruned_to_ids_0_1_3"])
+def test_sampling_with_a_head_follows_the_target_law(small_pair, pruned):
+    """With a pruned LM head q = 0 outside the kept ids and the residual gives the target's mass there."""
     small, head = small_pair
+    if pruned:
+        head = copy.deepcopy(head).prune([0, 1, 3])
     result = fit_sequences(sample_with_head(small, head, seed=1),
                            exact_law(small, SETTINGS, [BanSuccessorOfLastToken()]))
     assert result.is_consistent, result
@@ -269,3 +275,26 @@ def test_a_trained_head_runs_in_hf_spec_bench_beside_the_draft(tmp_path):
     assert report["costs"]["code@head"]["draft_step_seconds"] > 0
     greedy = [row for row in report["results"] if row["setting"] == "greedy" and row["method"] == "hf_spec@head"]
     assert greedy and greedy[0]["identical_to_target_only"] == 1.0
+
+
+def test_a_pruned_head_of_a_tied_target_saves_and_loads(tmp_path):
+    """FR-Spec on a head (`DraftHead.prune`): the kept ids travel in the config, the pruned LM head in the weights,
+    also for a target whose LM head is tied to its embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    tied = speculative(LlamaForCausalLM(config).eval())
+    head = DraftHead.from_target(tied).prune(list(range(0, 64, 2)))
+    head.save_pretrained(tmp_path)
+    loaded = DraftHead.from_pretrained(tmp_path).eval()
+    assert loaded.config.kept_ids == list(range(0, 64, 2))
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    prompt, settings = torch.tensor([[1, 2, 3, 4]]), {"do_sample": True, "max_new_tokens": 12}
+    ours = tied.generate(prompt, assistant_model=head, generator=torch.Generator().manual_seed(0), **settings)
+    theirs = tied.generate(prompt, assistant_model=loaded, generator=torch.Generator().manual_seed(0), **settings)
+    assert torch.equal(ours, theirs)
+    output = tied.generate(prompt, assistant_model=loaded, return_dict_in_generate=True, **settings)
+    assert output.speculative_stats.num_draft_tokens > 0

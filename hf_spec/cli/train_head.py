@@ -66,10 +66,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"--feature-layers / --num-layers: {error}") from None
     if args.draft_vocab is not None:
-        from hf_spec.drafting.vocabulary import prune_vocabulary
         from hf_spec.loading.pair import draft_vocabulary
 
-        prune_vocabulary(head, draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus))
+        head.prune(draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus))
     before = evaluate_head(head, held_out)
     head, history = train_head(
         target, train, held_out, output_dir, head=head, patience=args.patience, max_steps=args.max_steps,

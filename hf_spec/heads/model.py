@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from hf_spec.drafting.vocabulary import prune_vocabulary
+
 
 class DraftHeadConfig(PretrainedConfig):
     """The head's shape and the target it was built for.
@@ -39,14 +41,16 @@ class DraftHeadConfig(PretrainedConfig):
             counts from the end).
         target_num_layers, target_hidden_size, target_vocab_size: the target's, checked before every use.
         target_name_or_path: where the target came from (for error messages).
+        kept_ids: the ids a pruned LM head computes (`DraftHead.prune`), or ``None``.
     """
 
     model_type = "hf_spec_draft_head"
 
     def __init__(self, decoder: dict | None = None, feature_layers: tuple[int, ...] | list[int] = (-1,),
                  target_num_layers: int = 0, target_hidden_size: int = 0, target_vocab_size: int = 0,
-                 target_name_or_path: str = "", **kwargs):
+                 target_name_or_path: str = "", kept_ids: list[int] | None = None, **kwargs):
         self.decoder = decoder or {}
+        self.kept_ids = kept_ids  # a pruned LM head's ids (FR-Spec), or None
         self.feature_layers = list(feature_layers)
         self.target_num_layers = target_num_layers
         self.target_hidden_size = target_hidden_size
@@ -84,6 +88,16 @@ class DraftHead(PreTrainedModel):
         self.fuse = nn.Linear(hidden * num_features, hidden, bias=False) if num_features > 1 else nn.Identity()
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.post_init()
+        if config.kept_ids is not None:  # from_pretrained builds on the meta device: the ids are checked on the CPU
+            with torch.device("cpu"):
+                prune_vocabulary(self, torch.tensor(config.kept_ids, dtype=torch.long))
+
+    def prune(self, kept_ids: list[int]) -> DraftHead:
+        """Keep only ``kept_ids`` in the LM head (FR-Spec, `hf_spec.drafting.vocabulary`), recorded in the config so
+        that ``from_pretrained`` rebuilds the same head; returns the head."""
+        prune_vocabulary(self, kept_ids)
+        self.config.kept_ids = sorted(int(i) for i in kept_ids)
+        return self
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, feature_layers: tuple[int, ...] = (-1,),
@@ -96,7 +110,8 @@ class DraftHead(PreTrainedModel):
             raise ValueError(f"`num_layers` must be an integer in [1, {text.num_hidden_layers}] (the target's layer "
                              f"count), but is {num_layers!r}.")
         check_feature_layers(feature_layers, text.num_hidden_layers)
-        decoder = {**text.to_dict(), "num_hidden_layers": num_layers, "use_cache": True}
+        # untied: the LM head is a copy of the target's, prunable without touching the embeddings
+        decoder = {**text.to_dict(), "num_hidden_layers": num_layers, "use_cache": True, "tie_word_embeddings": False}
         decoder.pop("layer_types", None)  # sized for the target's layer count; rebuilt by the config
         config = DraftHeadConfig(decoder, feature_layers, text.num_hidden_layers, text.hidden_size, text.vocab_size,
                                  getattr(target, "name_or_path", "") or "")
