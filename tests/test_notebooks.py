@@ -21,7 +21,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
-EXPECTED = {"quickstart", "exactness", "draft_distillation", "quantized_target", "benchmark", "trees_and_suffix"}
+EXPECTED = {"quickstart", "exactness", "draft_distillation", "quantized_target", "benchmark", "trees_and_suffix",
+            "draft_heads"}
 WITH_PLOTS = EXPECTED - {"quickstart"}
 MAX_OUTPUT_BYTES = 200_000  # as scripts/run_notebooks.py
 MAX_FILE_BYTES = 1_000_000

@@ -79,9 +79,9 @@ def test_same_weights_draft_is_always_accepted_when_greedy(target, chain):
 
 def test_negative_control_a_draft_that_skips_the_chain_is_rejected(target, monkeypatch):
     """If the draft drafted from its raw logits, a same-weights draft would be rejected under top-k + temperature."""
-    import hf_spec.drafting.model
+    import hf_spec.drafting.base
 
-    monkeypatch.setattr(hf_spec.drafting.model, "process_step",
+    monkeypatch.setattr(hf_spec.drafting.base, "process_step",
                         lambda processors, prefix_ids, logits, prefix_lengths: logits)
     stats = run_with_own_weights_as_draft(target, {"top_k": 3}, do_sample=True, temperature=0.5)
     assert stats.num_accepted < stats.num_draft_tokens
