@@ -298,3 +298,25 @@ def test_a_pruned_head_of_a_tied_target_saves_and_loads(tmp_path):
     assert torch.equal(ours, theirs)
     output = tied.generate(prompt, assistant_model=loaded, return_dict_in_generate=True, **settings)
     assert output.speculative_stats.num_draft_tokens > 0
+
+
+def test_hf_spec_generate_takes_a_head_folder_as_the_draft(tmp_path, capsys):
+    """``hf-spec generate --draft HEAD`` (and `load_pair`): the head is checked against the target and drafts."""
+    import json
+
+    from hf_spec.cli import main
+    from hf_spec.loading.pair import load_pair
+
+    head_dir = tmp_path / "head"
+    assert main(["train-head", "--target", "tiny", "--output-dir", str(head_dir), "--num-texts", "16",
+                 "--max-new-tokens", "12", "--max-steps", "2", "--eval-steps", "2", "--no-progress",
+                 "--output", str(tmp_path / "train.json")]) == 0
+    pair = load_pair("tiny", str(head_dir))
+    assert isinstance(pair.draft, DraftHead) and pair.draft_path.name == "dense"
+    capsys.readouterr()
+    assert main(["generate", "--target", "tiny", "--draft", str(head_dir), "--max-new-tokens", "8", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("\n{") + 1:])  # the statistics, after the generated ids
+    assert report["draft"] == str(head_dir) and report["num_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="`draft_vocab` 8: a draft head keeps the output ids"):
+        load_pair("tiny", str(head_dir), draft_vocab=8)

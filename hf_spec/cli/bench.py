@@ -15,7 +15,7 @@ from hf_spec.bench.runner import DEFAULT_METHODS, METHODS, SETTINGS, method_spec
 from hf_spec.bench.workloads import WORKLOADS, random_workloads, text_workloads
 from hf_spec.cli.common import load_models, positive_int
 from hf_spec.drafting.vocabulary import prune_vocabulary
-from hf_spec.heads.model import DraftHead, DraftHeadConfig
+from hf_spec.heads.model import DraftHead, is_draft_head_folder
 from hf_spec.loading.packed import optimize
 from hf_spec.loading.pair import TINY, draft_vocabulary, place_draft
 from hf_spec.loading.pretrained import load
@@ -89,12 +89,6 @@ def _kernel_baselines(args: argparse.Namespace, pair) -> dict:
     return baselines
 
 
-def is_draft_head(name: str) -> bool:
-    """Whether the folder ``name`` holds a `DraftHead` (its config's model type)."""
-    config = Path(name) / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("model_type") == DraftHeadConfig.model_type
-
-
 def runs_on(spec, variant) -> bool:
     """Whether a method runs on a variant: every method on another target; on another draft, the methods that use
     one; on a draft head, hf_spec's chains (transformers cannot run a head, trees from heads are not built)."""
@@ -121,7 +115,7 @@ def _variants(args: argparse.Namespace, pair) -> dict:
         label = Path(name).name
         if label in variants:
             raise SystemExit(f"--draft-variants {name}: the label {label!r} is taken; rename the folder.")
-        if is_draft_head(name):  # a head built for this target: checked against it, dense kernels for its steps
+        if is_draft_head_folder(name):  # a head built for this target: checked against it, dense kernels for its steps
             head = DraftHead.from_pretrained(name).to(dtype=pair_dtype, device=target.device).eval()
             try:
                 head.check_target(target)

@@ -23,6 +23,8 @@ and the LM head can be pruned to frequent ids (`hf_spec.drafting.vocabulary`, FR
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,12 +53,17 @@ class DraftHeadConfig(PretrainedConfig):
                  target_name_or_path: str = "", kept_ids: list[int] | None = None, **kwargs):
         self.decoder = decoder or {}
         self.kept_ids = kept_ids  # a pruned LM head's ids (FR-Spec), or None
+        self.vocab_size = target_vocab_size
         self.feature_layers = list(feature_layers)
         self.target_num_layers = target_num_layers
         self.target_hidden_size = target_hidden_size
         self.target_vocab_size = target_vocab_size
         self.target_name_or_path = target_name_or_path
         super().__init__(**kwargs)
+
+    def get_text_config(self, *args, **kwargs) -> DraftHeadConfig:
+        """The head's own config (not the ``decoder`` settings dict, which transformers would otherwise return)."""
+        return self
 
     def decoder_config(self) -> PretrainedConfig:
         decoder = dict(self.decoder)
@@ -195,3 +202,9 @@ def check_feature_layers(feature_layers, num_layers: int) -> None:
         raise ValueError(f"`feature_layers` must be a non-empty list of distinct hidden-state indices in "
                          f"[{-(num_layers + 1)}, {num_layers}] (the target has {num_layers} layers), but is "
                          f"{feature_layers!r}.")
+
+
+def is_draft_head_folder(name: str) -> bool:
+    """Whether ``name`` is a folder holding a saved `DraftHead` (its config's model type)."""
+    config = Path(name) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == DraftHeadConfig.model_type

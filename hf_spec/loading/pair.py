@@ -27,6 +27,7 @@ from hf_spec.drafting.vocabulary import (
 )
 from hf_spec.evaluation.continuations import eos_token_ids
 from hf_spec.evaluation.corpora import load_texts
+from hf_spec.heads.model import DraftHead, is_draft_head_folder
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.packed import CpuPath, optimize
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir, is_converted, load
@@ -91,7 +92,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
               quantize: str | None = None, quantize_draft: str | None = None, draft_dtype: torch.dtype | None = None,
               optimize_kernels: bool = True, draft_vocab: int | None = None, draft_vocab_corpus: str = "stdlib",
               seed: int = 0) -> Pair:
-    """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"`` for both).
+    """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"`` for both; ``draft`` may
+    also be a folder with a `DraftHead` trained for ``target``).
 
     Args:
         dtype: weights of both models (the compute dtype of 4-bit layers); ``"auto"``: bf16 where it is native (a
@@ -114,6 +116,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
         dtype = default_dtype()
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"`dtype` must be a torch.dtype or 'auto', but is {dtype!r}.")
+    if is_draft_head_folder(draft):
+        return _load_with_head(target, draft, dtype, quantize, optimize_kernels, draft_vocab, seed)
     if TINY in (target, draft):
         if target != draft:
             raise ValueError(f"`target` {TINY!r} goes with `draft` {TINY!r}, got {target!r} and {draft!r}.")
@@ -136,6 +140,30 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     if optimize_kernels:
         pair.target_path = optimize(pair.target, role="target")
         pair.draft_path = optimize(pair.draft, role="steps")
+    return pair
+
+
+def _load_with_head(target: str, head_folder: str, dtype: torch.dtype, quantize: str | None,
+                    optimize_kernels: bool, draft_vocab: int | None, seed: int) -> Pair:
+    """`load_pair` with a saved `DraftHead` as the draft, checked against the target; its steps on torch's own
+    kernels (its vocabulary is the one it was trained with)."""
+    if draft_vocab is not None:
+        raise ValueError(f"`draft_vocab` {draft_vocab}: a draft head keeps the output ids it was trained with "
+                         f"(`hf-spec train-head --draft-vocab`).")
+    if target == TINY:
+        target_model, tokenizer = build_tiny_pair(seed=seed)[0], None
+        target_model = quantized_copy(target_model, quantize) if quantize else target_model
+    else:
+        target_model, tokenizer = load(target, dtype=dtype, quantize=quantize)
+    head = DraftHead.from_pretrained(head_folder).to(dtype=target_model.dtype, device=first_device(target_model))
+    try:
+        head.check_target(target_model)
+    except ValueError as error:
+        raise ValueError(f"`draft` {head_folder!r} does not fit `target` {target!r}: {error}") from None
+    pair = Pair(speculative(target_model), head.eval(), tokenizer)
+    if optimize_kernels:
+        pair.target_path = optimize(pair.target, role="target")
+        pair.draft_path = optimize(pair.draft, path="dense", role="steps")
     return pair
 
 
