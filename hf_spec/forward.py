@@ -96,6 +96,34 @@ def forward_tree(
         ``[num_logits, vocab]`` float32 logits, the last of those after each missing committed token, then after
         each node.
     """
+    inputs = _tree_inputs(model, cache, sequence_ids, attention_mask, node_ids, node_depths, node_visible, num_logits)
+    return model(**inputs, use_cache=True).logits[0, -num_logits:].to(dtype=torch.float32, copy=True)
+
+
+def forward_tree_with_features(
+    model: PreTrainedModel,
+    cache,
+    sequence_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    node_ids: torch.Tensor,
+    node_depths: torch.Tensor,
+    node_visible: torch.Tensor,
+    num_logits: int,
+    feature_layers: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_tree`, also returning the hidden states ``feature_layers`` selects at every token fed (the missing
+    committed ones, then the nodes), concatenated: ``[missing + m, hidden * len(feature_layers)]``, for a draft head.
+    A node's hidden states are the ones it would have as the next token of its own path."""
+    inputs = _tree_inputs(model, cache, sequence_ids, attention_mask, node_ids, node_depths, node_visible, num_logits)
+    output = model(**inputs, use_cache=True, output_hidden_states=list(feature_layers))
+    features = torch.cat([output.hidden_states[i][0] for i in feature_layers], dim=-1)  # [missing + m, F]
+    return output.logits[0, -num_logits:].to(dtype=torch.float32, copy=True), features
+
+
+def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 node_ids: torch.Tensor, node_depths: torch.Tensor, node_visible: torch.Tensor,
+                 num_logits: int) -> dict:
+    """The keyword arguments of `forward_tree`'s pass: ids, positions by depth and the 4D tree mask."""
     device = sequence_ids.device
     length = sequence_ids.shape[1]
     num_cached = cache_length(cache)
@@ -116,15 +144,14 @@ def forward_tree(
     positions = is_real.long().cumsum(0) - 1  # [length]
     position_ids = torch.cat([positions[length - num_missing:], positions[-1] + node_depths])  # [missing + m]
     inputs = {"input_ids": torch.cat([missing_ids, node_ids])[None], "position_ids": position_ids[None],
-              "attention_mask": _model_mask(model, visible), "cache": cache}
+              "attention_mask": tree_attention_mask(model, visible), "cache": cache}
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
-    logits = model(**inputs, use_cache=True).logits[0, -num_logits:]
-    return logits.to(dtype=torch.float32, copy=True)
+    return inputs
 
 
-def _model_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
-    """``[1, 1, queries, keys]`` in the form the model's attention takes a custom mask: boolean (sdpa, flex) or
+def tree_attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
+    """``visible`` ``[queries, keys]`` bool as ``[1, 1, queries, keys]`` in the form the model's attention takes a custom mask: boolean (sdpa, flex) or
     additive (eager); flash attention cannot take one."""
     implementation = attention_implementation(model)
     if "flash" in implementation:

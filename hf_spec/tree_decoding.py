@@ -20,7 +20,7 @@ from hf_spec.caches import check_tree_cache, keep_tree_path
 from hf_spec.decoding import DecodeResult, read_accepted, roll_back
 from hf_spec.drafting.base import DraftContext
 from hf_spec.drafting.tree import DraftTree, TreeDrafter
-from hf_spec.forward import forward_tree
+from hf_spec.forward import forward_tree, forward_tree_with_features
 from hf_spec.recording import OutputRecorder, RoundTimer
 from hf_spec.rejection import accept_tree, accept_tree_greedy
 from hf_spec.rows import RaggedBatch
@@ -71,7 +71,8 @@ def tree_decode(
 
             # 2. Verify: one target pass over the last committed token and every node: p at the root and each node.
             num_committed = batch.model_ids.shape[1]
-            tree_logits, tree_scores = _verify(target, target_cache, batch, tree, logits_processor)
+            tree_logits, tree_scores, features = _verify(target, target_cache, batch, tree, logits_processor,
+                                                         drafter.feature_layers)
 
             # 3. Accept a path from the root, then one recovered or bonus token.
             if context.do_sample:
@@ -92,7 +93,13 @@ def tree_decode(
             stats.record_round(tree.num_nodes, [len(path)], num_kept, batch.active_list, 1,
                                depth=max(tree.depths, default=0))
 
-            # 5. Commit: both caches keep the committed prefix and the accepted path's entries, then roll back.
+            # 5. Commit: both caches keep the committed prefix and the accepted path's entries, then roll back; a
+            #    draft head observes the target's features of the committed tokens fed and of the path.
+            if features is not None:
+                num_missing = features.shape[0] - tree.num_nodes
+                fed = torch.tensor([*range(num_missing), *(num_missing + node for node in path)],
+                                   device=features.device)
+                drafter.observe(features[fed][None], start=num_committed - num_missing)
             keep_tree_path(target_cache, num_committed, path)
             drafter.keep_path(path)
             staying, num_cached = batch.commit(output_ids, [len(path)], num_kept, is_done)
@@ -108,16 +115,21 @@ def tree_decode(
 
 
 def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, tree: DraftTree,
-            logits_processor: LogitsProcessorList) -> tuple[torch.Tensor, torch.Tensor]:
+            logits_processor: LogitsProcessorList, feature_layers: list[int] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(raw logits, processed scores)``, each ``[n + 1, vocab]``: after the root and after each node, each
-    processed with its own prefix (the committed row and the node's path)."""
-    logits = forward_tree(
-        target, target_cache, batch.model_ids, batch.model_mask, tree.token_ids,
-        torch.tensor(tree.depths, dtype=torch.long, device=tree.token_ids.device), tree.visibility(),
-        num_logits=tree.num_nodes + 1,
-    )  # [n + 1, vocab]
+    processed with its own prefix (the committed row and the node's path); and, when ``feature_layers`` are named,
+    those hidden states of every token fed ``[missing committed + n, F]`` (``None`` otherwise)."""
+    inputs = (target, target_cache, batch.model_ids, batch.model_mask, tree.token_ids,
+              torch.tensor(tree.depths, dtype=torch.long, device=tree.token_ids.device), tree.visibility())
+    features = None
+    if feature_layers is None:
+        logits = forward_tree(*inputs, num_logits=tree.num_nodes + 1)  # [n + 1, vocab]
+    else:
+        logits, features = forward_tree_with_features(*inputs, num_logits=tree.num_nodes + 1,
+                                                      feature_layers=feature_layers)
     scores = []
     for node in range(-1, tree.num_nodes):
         row_ids, lengths = batch.row_view(tree.token_ids[tree.path_to(node)][None])
         scores.append(process_step(logits_processor, row_ids, logits[node + 1][None], lengths)[0])
-    return logits, torch.stack(scores)
+    return logits, torch.stack(scores), features

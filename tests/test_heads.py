@@ -14,9 +14,11 @@ from goodness_of_fit import fit_sequences
 from test_exactness import BanSuccessorOfLastToken, exact_law, with_length
 from transformers import AutoModel, LogitsProcessorList
 
+import hf_spec.drafting.branching
 import hf_spec.drafting.head
 from hf_spec import speculative, without_speculation
-from hf_spec.drafting.head import HeadDrafter
+from hf_spec.drafting.head import HeadDrafter, HeadTreeDrafter
+from hf_spec.drafting.tree import path_to
 from hf_spec.heads import DraftHead
 from hf_spec.heads.training import evaluate_head, feature_dataset, train_head
 
@@ -108,6 +110,48 @@ def test_a_batch_of_one_returns_a_cache_that_continues_exactly(target, head):
     assert torch.equal(second, expected)
 
 
+# --- Trees from a head: each node's law from scratch, greedy equality, the returned cache. ---------------------------
+
+def test_tree_nodes_equal_a_from_scratch_reference_in_a_padded_row(target, head, monkeypatch):
+    """Every node of every round's tree (i.i.d. children, so each stored law is q given the node's ancestors) equals
+    the reference: level passes under the tree mask, the head's h at each parent, the features the tree's verify
+    pass hands over for the accepted path, and the rollback of the nodes' entries."""
+    rounds = []
+    original = HeadTreeDrafter.propose_tree
+
+    def recording(self, batch, num_nodes, max_depth, context, branching=None):
+        tree = original(self, batch, num_nodes, max_depth, context, branching)
+        rounds.append((batch.model_ids.clone(), batch.model_mask, tree))
+        return tree
+
+    monkeypatch.setattr(HeadTreeDrafter, "propose_tree", recording)
+    prompt, mask = torch.tensor([[0, 0, 5, 9, 2, 6, 5, 3]]), torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    target.generate(prompt, attention_mask=mask, pad_token_id=0, do_sample=True, top_k=0, max_new_tokens=14,
+                    assistant_model=HeadTreeDrafter(head, branching=2, width=2, replacement=True), num_tree_nodes=7,
+                    num_assistant_tokens=3, generator=torch.Generator().manual_seed(0))
+    checked = 0
+    for model_ids, model_mask, tree in rounds:
+        real = model_ids[0][model_mask[0].bool()]
+        for node in range(tree.num_nodes):
+            path = path_to(tree.parents, node)
+            expected = reference_laws(target, head, real, tree.token_ids[path])[-1]
+            torch.testing.assert_close(tree.draft_probs[node], expected, atol=2e-5, rtol=1e-4)
+            checked += 1
+    assert len(rounds) >= 3 and max(max(tree.depths, default=0) for *_, tree in rounds) == 3 and checked >= 12
+
+
+def test_greedy_head_trees_equal_target_only_and_return_a_cache_that_continues(target, head):
+    prompt = torch.tensor([[5, 9, 2, 6, 5, 3, 7]])
+    out = target.generate(prompt, assistant_model=head, num_tree_nodes=6, do_sample=False, max_new_tokens=16,
+                          return_dict_in_generate=True)
+    more = target.generate(out.sequences, assistant_model=head, num_tree_nodes=6, do_sample=False, max_new_tokens=8,
+                           cache=out.cache)
+    with without_speculation(target):
+        expected = target.generate(prompt, do_sample=False, max_new_tokens=24)
+    assert torch.equal(more, expected)
+    assert out.speculative_stats.num_draft_tokens > 0
+
+
 VOCAB = 4
 NUM_SAMPLES = 3000
 SETTINGS = {"temperature": 0.6, "top_k": 3, "repetition_penalty": 2.0}
@@ -187,8 +231,9 @@ def test_missing_layers_and_bad_combinations_are_refused_by_name(target, head):
         DraftHead.from_target(target, feature_layers=[-1, 2])
     with pytest.raises(ValueError, match=r"`num_layers` must be an integer in \[1, 2\].* but is 0"):
         DraftHead.from_target(target, num_layers=0)
-    with pytest.raises(TypeError, match="`num_tree_nodes` with a draft head"):
-        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=head, num_tree_nodes=4, max_new_tokens=4)
+    with pytest.raises(ValueError, match="`prompt_lookup_num_tokens` with a draft head"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=head, prompt_lookup_num_tokens=2,
+                        num_tree_nodes=4, max_new_tokens=4)
     with pytest.raises(ValueError, match="`prompt_lookup_num_tokens` with a draft head"):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=head, prompt_lookup_num_tokens=2,
                         max_new_tokens=4)
@@ -320,3 +365,52 @@ def test_hf_spec_generate_takes_a_head_folder_as_the_draft(tmp_path, capsys):
     assert report["draft"] == str(head_dir) and report["num_draft_tokens"] > 0
     with pytest.raises(ValueError, match="`draft_vocab` 8: a draft head keeps the output ids"):
         load_pair("tiny", str(head_dir), draft_vocab=8)
+
+
+TREE_SAMPLES = 2000
+TREE_CASES = {"plain": ({}, []), "combined_chain": (SETTINGS, [BanSuccessorOfLastToken()])}
+
+
+@pytest.fixture(scope="module")
+def sharp_head(small_pair):
+    """A confident head that is often wrong: where drawing a second child matters, so broken rules show."""
+    head = copy.deepcopy(small_pair[1])
+    with torch.no_grad():
+        head.fc.weight.add_(torch.randn(head.fc.weight.shape, generator=torch.Generator().manual_seed(5)))
+        head.get_output_embeddings().weight.mul_(4.0)
+    return head
+
+
+def sample_head_trees(small, drafter, case: str, seed: int) -> np.ndarray:
+    """One generate() call per sample (trees take a batch of one row), prompt [1, 3, 2] as `exact_law`'s."""
+    settings, processors = TREE_CASES[case]
+    generator = torch.Generator().manual_seed(seed)
+    return np.array([
+        small.generate(torch.tensor([[1, 3, 2]]), assistant_model=drafter, do_sample=True, num_tree_nodes=6,
+                       num_assistant_tokens=2, generator=generator, pad_token_id=0,
+                       logits_processor=LogitsProcessorList(processors), **with_length(settings))[0, 3:].tolist()
+        for _ in range(TREE_SAMPLES)
+    ])
+
+
+@pytest.mark.parametrize("case", list(TREE_CASES))
+def test_sampling_with_a_head_tree_follows_the_target_law(small_pair, sharp_head, case):
+    """Children drawn without replacement from a confident, often wrong head."""
+    small = small_pair[0]
+    samples = sample_head_trees(small, HeadTreeDrafter(sharp_head, branching=3, width=1), case, seed=3)
+    result = fit_sequences(samples, exact_law(small, *TREE_CASES[case]))
+    assert result.is_consistent, result
+
+
+def test_negative_control_head_tree_children_reported_as_iid_are_caught(small_pair, sharp_head, monkeypatch):
+    """Broken: children drawn without replacement, each reported with the full q (the i.i.d. rule's law)."""
+    original = hf_spec.drafting.branching._children
+
+    def reported_as_iid(probs, scores, count, context, replacement):
+        return [(token, probs) for token, _ in original(probs, scores, count, context, False)]
+
+    monkeypatch.setattr(hf_spec.drafting.branching, "_children", reported_as_iid)
+    small = small_pair[0]
+    samples = sample_head_trees(small, HeadTreeDrafter(sharp_head, branching=3, width=1), "plain", seed=4)
+    result = fit_sequences(samples, exact_law(small, *TREE_CASES["plain"]))
+    assert not result.is_consistent, result

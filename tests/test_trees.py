@@ -14,7 +14,7 @@ from conftest import make_noisy_copy, make_tiny_model
 from goodness_of_fit import fit_sequences
 from transformers import LogitsProcessorList
 
-import hf_spec.drafting.model_tree
+import hf_spec.drafting.branching
 from hf_spec import speculative
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter, continuations, heaviest_subtree
@@ -180,12 +180,12 @@ def test_generate_with_trees_samples_the_target_law(small_target, small_draft, c
 
 
 def test_negative_control_children_without_replacement_reported_as_iid(small_target, small_draft, monkeypatch):
-    original = hf_spec.drafting.model_tree._children
+    original = hf_spec.drafting.branching._children
 
     def reported_as_iid(probs, scores, count, context, replacement):
         return [(token, probs) for token, _ in original(probs, scores, count, context, False)]
 
-    monkeypatch.setattr(hf_spec.drafting.model_tree, "_children", reported_as_iid)
+    monkeypatch.setattr(hf_spec.drafting.branching, "_children", reported_as_iid)
     samples = _sample_trees(small_target, ModelTreeDrafter(small_draft, branching=3, width=1), {}, seed=5,
                             num_tree_nodes=7)
     result = fit_sequences(samples, exact_law(small_target, _settings({}), PROMPT, NUM_TOKENS, []))

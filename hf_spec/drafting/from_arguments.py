@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from hf_spec.drafting.base import Drafter
-from hf_spec.drafting.head import HeadDrafter
+from hf_spec.drafting.head import HeadDrafter, HeadTreeDrafter
 from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.model_tree import ModelTreeDrafter
@@ -36,15 +36,17 @@ def make_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num_toke
 
 def make_tree_drafter(draft: PreTrainedModel | Drafter | None, prompt_lookup_num_tokens: int | None,
                       ngram_size: int) -> TreeDrafter:
-    """The tree form of a drafter: the draft model branching, or suffix matching for prompt lookup."""
+    """The tree form of a drafter: the draft model or head branching, or suffix matching for prompt lookup."""
     if isinstance(draft, TreeDrafter):
         return draft
     if isinstance(draft, Drafter):
         raise TypeError(f"`num_tree_nodes` needs a drafter that proposes trees (a TreeDrafter), but "
                         f"`assistant_model` is a {type(draft).__name__}.")
     if isinstance(draft, DraftHead):
-        raise TypeError("`num_tree_nodes` with a draft head as `assistant_model` is not supported yet: trees are "
-                        "drafted by a draft model or by suffix matching.")
+        if prompt_lookup_num_tokens is not None:
+            raise ValueError("`prompt_lookup_num_tokens` with a draft head as `assistant_model` is not supported: "
+                             "pass one of them.")
+        return HeadTreeDrafter(draft)
     if draft is None:  # suffix matching: longer matches than prompt lookup's default 2 choose better continuations
         return SuffixDrafter(max_ngram_size=max(SUFFIX_NGRAM_SIZE, ngram_size))
     if prompt_lookup_num_tokens is not None:

@@ -14,6 +14,11 @@ Round 1 drafts nothing: no target feature exists before the target's first pass 
 reads the entries it lacks in one head pass (whose last output gives the first draft token), and one head pass per
 further draft token. The law each token is drawn from is returned, as for any drafter, so the output law is exactly
 the target's whatever the head predicts.
+
+`HeadTreeDrafter` grows a tree instead (`hf_spec.drafting.branching`): each level is one head pass over the
+expanded nodes under a tree attention mask, each node paired with the head's own h at its parent. Its entries are
+dropped like a chain's drafts: the accepted path's tokens are read again next round with the target's features,
+which the tree's verify pass hands over for the path's nodes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch
 
 from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, stack_laws
-from hf_spec.forward import extend_mask
+from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
+from hf_spec.forward import extend_mask, tree_attention_mask
 from hf_spec.heads.model import DraftHead
 from hf_spec.rows import RaggedBatch
 
@@ -112,3 +118,52 @@ class HeadDrafter(Drafter):
             self.entry_mask = self.entry_mask[:, :kept]
         if self.features is not None:  # features of drafts that were not kept are not the target's
             self.features = self.features[:, : max(0, num_cached - self.features_start)]
+
+
+class HeadTreeDrafter(HeadDrafter, BranchingTreeDrafter):
+    """A `DraftHead` that branches (``generate(assistant_model=head, num_tree_nodes=N)`` builds it).
+
+    Args:
+        head: the draft head.
+        branching, width, replacement: see `BranchingTreeDrafter`; a head's pass over a few nodes costs about one
+            over a single node, so by default it expands the two best nodes of each level.
+    """
+
+    def __init__(self, head: DraftHead, branching: int = 2, width: int = 2, replacement: bool = False):
+        HeadDrafter.__init__(self, head)
+        BranchingTreeDrafter.__init__(self, branching, width, replacement)
+
+    def reset(self) -> None:
+        super().reset()
+        self._hidden: dict[int, torch.Tensor] = {}  # node (-1: root) -> the head's h after it [hidden]
+        self._fed: list[int] = []  # tree nodes in the head's cache, in order, after its num_true entries
+        self._root_position = 0  # the position of the last committed column's entry + 1
+
+    def _start_tree(self, batch: RaggedBatch) -> torch.Tensor | None:
+        if self.features is None:  # round 1: the target has not run yet
+            return None
+        real = (torch.ones_like(batch.model_ids, dtype=torch.bool) if batch.model_mask is None
+                else batch.model_mask.bool())  # [1, columns]
+        positions = real.long().cumsum(-1) - 1  # [1, columns]
+        output = self._read_entries(batch.model_ids, real, positions)
+        self._hidden, self._fed, self._root_position = {-1: output.hidden_states[0, -1]}, [], int(positions[0, -1])
+        return output.logits[0, -1].float()
+
+    def _evaluate_level(self, batch: RaggedBatch, level: list[int], parents: list[int], tokens: list[torch.Tensor],
+                        depth: int) -> torch.Tensor:
+        device = batch.model_ids.device
+        nodes = visibility(parents, self._fed + level).to(device)[len(self._fed):]  # [m, fed + m]
+        visible = torch.cat([self.entry_mask[0].bool().expand(len(level), -1), nodes], dim=1)  # [m, entries + ...]
+        output = self.head(
+            torch.stack([tokens[i] for i in level])[None],
+            predicted=torch.stack([self._hidden[parents[i]] for i in level])[None],  # [1, m, hidden]
+            position_ids=torch.full((1, len(level)), self._root_position + depth - 1, device=device),
+            attention_mask=tree_attention_mask(self.head.decoder, visible), cache=self.cache,
+        )
+        self._fed += level
+        self._hidden.update(zip(level, output.hidden_states[0]))
+        return output.logits[0].float()  # [m, head vocab]
+
+    def keep_path(self, path: list[int]) -> None:
+        """Nothing to keep: entries read with the head's own h are dropped at the rollback (`HeadDrafter`)."""
+        self._hidden, self._fed = {}, []

@@ -45,13 +45,14 @@ class SuffixDrafter(TreeDrafter):
                              f"({max_ngram_size}).")
         self.corpus = [torch.as_tensor(document).view(-1) for document in corpus or []]
 
-    def propose_tree(self, batch: RaggedBatch, num_nodes: int, max_depth: int, context: DraftContext) -> DraftTree:
+    def propose_tree(self, batch: RaggedBatch, num_nodes: int, max_depth: int, context: DraftContext,
+                     branching: int | None = None) -> DraftTree:
         if batch.num_active != 1:
             raise ValueError(f"SuffixDrafter trees are for one row, but {batch.num_active} rows are active.")
         row = batch.active_list[0]
         ids = batch.row_ids[row, : batch.lengths[row]]
         tokens, parents = heaviest_subtree(continuations(ids, self.corpus, self.max_ngram_size, self.min_ngram_size,
-                                                         max_depth, self.max_matches), num_nodes)
+                                                         max_depth, self.max_matches), num_nodes, branching)
         device = ids.device
         token_ids = torch.tensor(tokens, dtype=ids.dtype, device=device)
         draft_probs = F.one_hot(token_ids, context.vocab_size).float() if context.do_sample else None

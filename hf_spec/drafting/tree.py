@@ -74,8 +74,10 @@ class TreeDrafter(Drafter):
     """A drafter that can also propose a tree; the loop then verifies every node in one target pass."""
 
     @abc.abstractmethod
-    def propose_tree(self, batch: RaggedBatch, num_nodes: int, max_depth: int, context: DraftContext) -> DraftTree:
-        """At most ``num_nodes`` nodes, none deeper than ``max_depth``, for the one active row of ``batch``."""
+    def propose_tree(self, batch: RaggedBatch, num_nodes: int, max_depth: int, context: DraftContext,
+                     branching: int | None = None) -> DraftTree:
+        """At most ``num_nodes`` nodes, none deeper than ``max_depth``, for the one active row of ``batch``; at most
+        ``branching`` children per node when given (1: a chain), the drafter's own limit otherwise."""
 
     def keep_path(self, path: list[int]) -> None:
         """The loop accepted ``path`` (node indices) of the last tree: keep what state it has for it, drop the rest.
