@@ -18,9 +18,11 @@ Extra ``generate()`` arguments:
   ``prompt_lookup_num_tokens``. ``"auto"`` chooses k every round from measured acceptance and costs
   (`hf_spec.drafting.AutoDraftLength`; pass an instance to keep what it learnt across calls).
 - ``num_tree_nodes``: draft a tree of at most this many tokens per round instead of a chain, all verified in one
-  target pass (`hf_spec.tree_decoding`; a batch of one row): the draft model branches (`ModelTreeDrafter`), prompt
-  lookup becomes suffix matching with several continuations (`SuffixDrafter`), or a `TreeDrafter` passed as
-  ``assistant_model`` is used. ``num_assistant_tokens`` then caps the tree's depth.
+  target pass (`hf_spec.tree_decoding`; a batch of one row): the draft model or head branches (`ModelTreeDrafter`,
+  `HeadTreeDrafter`), prompt lookup becomes suffix matching with several continuations (`SuffixDrafter`), or a
+  `TreeDrafter` passed as ``assistant_model`` is used. ``num_assistant_tokens`` then caps the tree's depth.
+  ``"auto"`` chooses the budget and branching every round (a chain, or nothing, where that is faster) from measured
+  acceptance and pass costs (`hf_spec.drafting.AutoTreeSize`; pass an instance to keep what it learnt).
 
 With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
 ``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
@@ -41,12 +43,11 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_spec.caches import fit_prompt, prepare_for_rollback
-from hf_spec.checks import check_int
 from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
 from hf_spec.drafting import AutoDraftLength
 from hf_spec.drafting.costs import probe_costs
-from hf_spec.drafting.draft_length import FixedDraftLength
+from hf_spec.drafting.tree_size import PROBE_BLOCK_SIZES, AutoTreeSize
 from hf_spec.drafting.from_arguments import make_drafter, make_tree_drafter
 from hf_spec.heads.model import DraftHead
 from hf_spec.stats import SpeculativeStats
@@ -57,6 +58,8 @@ from hf_spec.validation import (
     validate_draft_length_limit,
     validate_generator,
     validate_input_types,
+    check_tree_nodes,
+    resolve_tree_size,
     validate_input_values,
     validate_model_kwargs,
     validate_speculative_call,
@@ -82,7 +85,7 @@ class _CallOptions:
 
     generator: torch.Generator | None = None
     num_assistant_tokens: Any = None
-    num_tree_nodes: int | None = None
+    num_tree_nodes: Any = None
 
 
 _CALL_OPTIONS: contextvars.ContextVar[_CallOptions | None] = contextvars.ContextVar("hf_spec_call", default=None)
@@ -104,11 +107,11 @@ class SpeculativeGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None,
-                 num_tree_nodes: int | None = None, **kwargs):
+                 num_tree_nodes: int | str | AutoTreeSize | None = None, **kwargs):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
         if num_tree_nodes is not None:
-            check_int("num_tree_nodes", num_tree_nodes)
+            check_tree_nodes(num_tree_nodes)
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
             # before transformers' own input handling, which fails on these without naming the argument
             validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
@@ -160,11 +163,11 @@ class SpeculativeGenerationMixin(GenerationMixin):
                                                                assistant_model, logits_processor, model_kwargs)
         options = _call_options()
         prompt_lookup_num_tokens, ngram_size = resolve_prompt_lookup(generation_config)
-        draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
         if options.num_tree_nodes is not None:
-            return self._tree_decoding(input_ids, target_cache, pad_token_id, draft_length, assistant_model,
+            return self._tree_decoding(input_ids, target_cache, pad_token_id, assistant_model,
                                        prompt_lookup_num_tokens, ngram_size, logits_processor, stopping_criteria,
                                        generation_config, streamer, model_kwargs)
+        draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
         if isinstance(draft_length, AutoDraftLength) and not draft_length.has_costs:
             # measured once per process and models: auto k starts from the costs instead of exploring
             # (a draft head's cost is learnt from the rounds: it needs the target's features to run)
@@ -187,21 +190,22 @@ class SpeculativeGenerationMixin(GenerationMixin):
         )
         return _generate_output(self, result, generation_config, target_cache, input_ids.shape[0])
 
-    def _tree_decoding(self, input_ids, target_cache, pad_token_id, draft_length, assistant_model,
+    def _tree_decoding(self, input_ids, target_cache, pad_token_id, assistant_model,
                        prompt_lookup_num_tokens, ngram_size, logits_processor, stopping_criteria, generation_config,
                        streamer, model_kwargs):
         """``num_tree_nodes`` given: the tree loop, with the drafter's tree form."""
         options = _call_options()
-        if not isinstance(draft_length, FixedDraftLength):
-            raise ValueError(  # noqa: TRY004 (a value of the argument, not its type)
-                "`num_assistant_tokens='auto'` chooses a chain's length; with `num_tree_nodes` pass an integer (the "
-                "tree's depth limit) or leave it unset."
-            )
+        tree_size = resolve_tree_size(options.num_tree_nodes, options.num_assistant_tokens, prompt_lookup_num_tokens)
         drafter = make_tree_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size)
+        if isinstance(tree_size, AutoTreeSize) and not tree_size.has_costs:
+            # measured once per process and models, passes of up to max_nodes + 1 tokens (a head: learnt online)
+            is_model = isinstance(assistant_model, PreTrainedModel) and not isinstance(assistant_model, DraftHead)
+            tree_size.shape = drafter.growth
+            sizes = tuple(size for size in PROBE_BLOCK_SIZES if size <= tree_size.max_nodes) + (tree_size.max_nodes + 1,)
+            tree_size.start_from(probe_costs(self, assistant_model if is_model else None, tree_size.max_nodes,
+                                             block_sizes=sizes, draft_widths=(1, drafter.growth[1] or 1)))
         result = tree_decode(
-            self, drafter, input_ids, model_kwargs.get("attention_mask"), target_cache,
-            num_tree_nodes=options.num_tree_nodes,
-            max_depth=options.num_assistant_tokens or prompt_lookup_num_tokens or options.num_tree_nodes,
+            self, drafter, input_ids, model_kwargs.get("attention_mask"), target_cache, tree_size=tree_size,
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             generation_config=generation_config, pad_token_id=pad_token_id, generator=options.generator,
             streamer=streamer,

@@ -20,6 +20,7 @@ from hf_spec.caches import check_tree_cache, keep_tree_path
 from hf_spec.decoding import DecodeResult, read_accepted, roll_back
 from hf_spec.drafting.base import DraftContext
 from hf_spec.drafting.tree import DraftTree, TreeDrafter
+from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
 from hf_spec.forward import forward_tree, forward_tree_with_features
 from hf_spec.recording import OutputRecorder, RoundTimer
 from hf_spec.rejection import accept_tree, accept_tree_greedy
@@ -35,8 +36,7 @@ def tree_decode(
     attention_mask: torch.Tensor | None,
     target_cache,
     *,
-    num_tree_nodes: int,
-    max_depth: int,
+    tree_size: FixedTreeSize | AutoTreeSize,
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
@@ -44,10 +44,10 @@ def tree_decode(
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
 ) -> DecodeResult:
-    """Generate with the target, verifying a tree of at most ``num_tree_nodes`` draft tokens per round.
+    """Generate with the target, verifying a tree of draft tokens per round.
 
-    Arguments as `hf_spec.decoding.speculative_decode`, with ``num_tree_nodes`` and ``max_depth`` (how deep a tree
-    may grow) in place of the draft length.
+    Arguments as `hf_spec.decoding.speculative_decode`, with ``tree_size`` (each round's node budget, depth and
+    branching, fixed or chosen from measured acceptance and costs) in place of the draft length.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"Tree drafts (`num_tree_nodes`) support a batch of one row, but `input_ids` has "
@@ -59,14 +59,16 @@ def tree_decode(
     context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
                            generation_config.do_sample, generator)
     drafter.reset()
+    if isinstance(tree_size, AutoTreeSize):
+        tree_size.shape = drafter.growth
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
     try:
         while batch.num_active > 0:
-            timer = RoundTimer(synchronize=False)
-            depth_limit = min(max_depth, max(0, generation_config.max_length - batch.lengths[0] - 1))
+            timer = RoundTimer(synchronize=tree_size.is_timed)
 
-            # 1. Draft a tree of at most num_tree_nodes nodes.
-            tree = drafter.propose_tree(batch, num_tree_nodes if depth_limit else 0, depth_limit, context)
+            # 1. Draft a tree: its budget, depth (none past max_length) and branching chosen for this round.
+            choice = tree_size.choose_tree(max(0, generation_config.max_length - batch.lengths[0] - 1))
+            tree = drafter.propose_tree(batch, choice.num_nodes, choice.max_depth, context, choice.branching)
             timer.mark_drafted(tree.token_ids)
 
             # 2. Verify: one target pass over the last committed token and every node: p at the root and each node.
@@ -92,6 +94,8 @@ def tree_decode(
             recorder.record(batch.active_list, output_ids, path_scores, path_logits, num_kept)
             stats.record_round(tree.num_nodes, [len(path)], num_kept, batch.active_list, 1,
                                depth=max(tree.depths, default=0))
+            tree_size.update_tree(tree, path, timer.draft_seconds,
+                                  None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1: the prefill
 
             # 5. Commit: both caches keep the committed prefix and the accepted path's entries, then roll back; a
             #    draft head observes the target's features of the committed tokens fed and of the path.

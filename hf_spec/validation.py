@@ -17,6 +17,7 @@ from hf_spec.drafting.draft_length import (
     AutoDraftLength,
     FixedDraftLength,
 )
+from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
 from hf_spec.heads.model import DraftHead
 
 #: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
@@ -50,6 +51,37 @@ def resolve_num_draft_tokens(
             f"AutoDraftLength, but is {value!r} ({type(value).__name__})."
         )
     return FixedDraftLength(int(value))
+
+
+def resolve_tree_size(num_tree_nodes: Any, num_assistant_tokens: Any,
+                      prompt_lookup_num_tokens: int | None) -> FixedTreeSize | AutoTreeSize:
+    """How each round's tree is sized: ``num_tree_nodes`` nodes at most (an integer), or ``"auto"`` (a new
+    `AutoTreeSize`; an instance is used as is, keeping what it learnt). The depth limit is ``num_assistant_tokens``,
+    else ``prompt_lookup_num_tokens``, else the node budget (``"auto"``: `DEFAULT_MAX_DRAFT_TOKENS`)."""
+    if isinstance(num_tree_nodes, AutoTreeSize):
+        return num_tree_nodes
+    depth = num_assistant_tokens if is_int_at_least(num_assistant_tokens, 1) else prompt_lookup_num_tokens
+    if num_tree_nodes == "auto":
+        if num_assistant_tokens not in (None, "auto") and not is_int_at_least(num_assistant_tokens, 1):
+            raise ValueError(f"`num_assistant_tokens` caps a tree's depth: a positive integer, 'auto' or unset, "
+                             f"but is {num_assistant_tokens!r}.")
+        return AutoTreeSize(max_depth=depth or DEFAULT_MAX_DRAFT_TOKENS)
+    if num_assistant_tokens is not None and not is_int_at_least(num_assistant_tokens, 1):
+        raise ValueError(
+            f"`num_assistant_tokens` is {num_assistant_tokens!r}; with a fixed `num_tree_nodes` it caps the tree's "
+            "depth and must be a positive integer. Pass `num_tree_nodes='auto'` to let the tree's size and depth "
+            "follow measured acceptance and costs."
+        )
+    check_tree_nodes(num_tree_nodes)
+    return FixedTreeSize(num_tree_nodes, depth or num_tree_nodes)
+
+
+def check_tree_nodes(num_tree_nodes: Any) -> None:
+    """``num_tree_nodes`` must be a positive integer, ``"auto"`` or an `AutoTreeSize`."""
+    if not (is_int_at_least(num_tree_nodes, 1) or isinstance(num_tree_nodes, AutoTreeSize)
+            or (isinstance(num_tree_nodes, str) and num_tree_nodes == "auto")):
+        raise ValueError(f"`num_tree_nodes` (draft tokens per tree) must be a positive integer, 'auto' or an "
+                         f"AutoTreeSize, but is {num_tree_nodes!r} ({type(num_tree_nodes).__name__}).")
 
 
 def resolve_prompt_lookup(generation_config: GenerationConfig) -> tuple[int | None, int]:

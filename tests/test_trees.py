@@ -18,7 +18,9 @@ import hf_spec.drafting.branching
 from hf_spec import speculative
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter, continuations, heaviest_subtree
+from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.tree import DraftTree
+from hf_spec.drafting.tree_size import AutoTreeSize
 from hf_spec.evaluation.exactness import exact_law
 from hf_spec.rejection import accept_tree, accept_tree_greedy, sample_from_weights
 
@@ -159,6 +161,14 @@ def _sample_trees(target, assistant, settings: dict, seed: int, **tree) -> np.nd
     ])
 
 
+def _auto_tree_size() -> AutoTreeSize:
+    """`num_tree_nodes="auto"` on costs where trees pay (held fixed: the tiny models' own timings say otherwise), so
+    that budgets and branching change from round to round with the measured acceptance."""
+    chooser = AutoTreeSize(max_nodes=8, max_depth=3)
+    chooser.start_from(CostTable(1.0, 0.05, {1: 1.0, 2: 1.0, 9: 1.1}, {1: 0.05, 2: 0.05}), weight=1e9)
+    return chooser
+
+
 TREE_CASES = {
     "without_replacement_combined_chain": (
         lambda draft: draft, {"temperature": 0.7, "top_k": 3, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
@@ -167,6 +177,7 @@ TREE_CASES = {
                      {"num_tree_nodes": 7}),
     "suffix_point_masses": (lambda draft: SuffixDrafter(max_ngram_size=2), {"top_p": 0.95},
                             {"num_tree_nodes": 5}),
+    "auto_budget": (lambda draft: draft, {"temperature": 0.8}, {"num_tree_nodes": _auto_tree_size()}),
 }
 
 
@@ -177,6 +188,9 @@ def test_generate_with_trees_samples_the_target_law(small_target, small_draft, c
     result = fit_sequences(samples, exact_law(small_target, _settings(settings), PROMPT, NUM_TOKENS, []))
     print(case, result)
     assert result.is_consistent, result
+    if isinstance(tree["num_tree_nodes"], AutoTreeSize):  # budgets and branching did change between rounds
+        chooser = tree["num_tree_nodes"]
+        assert len(set(chooser.chosen)) > 1 and set(chooser.chosen_branching) == {1, 2}, set(chooser.chosen)
 
 
 def test_negative_control_children_without_replacement_reported_as_iid(small_target, small_draft, monkeypatch):

@@ -16,7 +16,9 @@ rotates from one prompt to the next), after a warm-up call of each. Methods (`ME
   draft model when nothing matches;
 - ``hf_spec_tree<N>``: ours with a tree of at most N draft-model tokens per round, at most k deep
   (``num_tree_nodes=N``); ``hf_spec_suffix<N>``: suffix matching, a tree of at most N continuation tokens, at most k
-  deep (``prompt_lookup_num_tokens=k, num_tree_nodes=N``).
+  deep (``prompt_lookup_num_tokens=k, num_tree_nodes=N``); ``hf_spec_tree_auto`` and ``hf_spec_suffix_auto``: the
+  budget and branching chosen every round (``num_tree_nodes="auto"``; the draft's tree at most 10 deep, suffix
+  matching's at most k).
 
 Workloads: ``code`` (HumanEval prompts completed as text), ``prose`` (chat requests for prose), ``edit`` (chat requests
 to add type hints to a given HumanEval solution: the answer copies much of the input). Sampled runs of one prompt
@@ -66,7 +68,7 @@ SETTINGS = {
     "sampled": {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
 }
 _FIXED_K = re.compile(r"hf_spec_k([1-9][0-9]*)")
-_TREE = re.compile(r"hf_spec_(tree|suffix)([1-9][0-9]*)")
+_TREE = re.compile(r"hf_spec_(tree|suffix)([1-9][0-9]*|_auto)")
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
@@ -88,9 +90,11 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
         return MethodSpec(True, True, {"num_assistant_tokens": n}, fixed_num_draft_tokens=n)
     tree = _TREE.fullmatch(method)
     if tree:
-        uses_draft = tree.group(1) == "tree"
+        uses_draft, is_auto = tree.group(1) == "tree", tree.group(2) == "_auto"
         depth = {"num_assistant_tokens": k} if uses_draft else {"prompt_lookup_num_tokens": k}
-        return MethodSpec(True, uses_draft, {**depth, "num_tree_nodes": int(tree.group(2))})
+        if uses_draft and is_auto:
+            depth = {}  # the chooser's default depth limit
+        return MethodSpec(True, uses_draft, {**depth, "num_tree_nodes": "auto" if is_auto else int(tree.group(2))})
     specs = {
         "target_only": MethodSpec(False, False, {}),
         "transformers": MethodSpec(False, True, {}, {
@@ -108,8 +112,8 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
         "hf_spec_lookup_draft": MethodSpec(True, True, {"prompt_lookup_num_tokens": k}),
     }
     if method not in specs:
-        raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>' or "
-                         "'hf_spec_suffix<N>'.")
+        raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>', "
+                         "'hf_spec_suffix<N>', 'hf_spec_tree_auto' or 'hf_spec_suffix_auto'.")
     return specs[method]
 
 

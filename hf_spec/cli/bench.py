@@ -47,7 +47,8 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
                         help="greedy, and/or sampled at temperature 0.7, top-p 0.9")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
                         help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N), hf_spec_tree<N> (a "
-                             "tree of N draft tokens, k deep), hf_spec_suffix<N> (suffix matching, N tokens); "
+                             "tree of N draft tokens, k deep), hf_spec_suffix<N> (suffix matching, N tokens), "
+                             "hf_spec_tree_auto / hf_spec_suffix_auto (num_tree_nodes='auto'); "
                              "target_only is always run, every ratio is relative to it (default: %(default)s)")
     parser.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
                         help="also run every method on the target quantized with each scheme (reported as "
@@ -91,11 +92,11 @@ def _kernel_baselines(args: argparse.Namespace, pair) -> dict:
 
 def runs_on(spec, variant) -> bool:
     """Whether a method runs on a variant: every method on another target; on another draft, the methods that use
-    one; on a draft head, hf_spec's chains (transformers cannot run a head, trees from heads are not built)."""
+    one; on a draft head, hf_spec's chains and trees (transformers cannot run a head)."""
     if not isinstance(variant, tuple):
         return True
     if isinstance(variant[1], DraftHead):
-        return spec.uses_draft and spec.is_ours and "num_tree_nodes" not in spec.generate_kwargs
+        return spec.uses_draft and spec.is_ours
     return spec.uses_draft
 
 

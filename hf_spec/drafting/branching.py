@@ -42,6 +42,10 @@ class BranchingTreeDrafter(TreeDrafter):
         self.branching, self.width = check_int("branching", branching), check_int("width", width)
         self.replacement = bool(replacement)
 
+    @property
+    def growth(self) -> tuple[int, int | None]:
+        return (self.branching, self.width)
+
     @abc.abstractmethod
     def _start_tree(self, batch: RaggedBatch) -> torch.Tensor | None:
         """Catch up on the committed text; the draft's raw logits ``[draft vocab]`` after it (the root's law), or

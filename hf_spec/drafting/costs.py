@@ -31,6 +31,7 @@ class CostTable:
     target_step_seconds: float
     draft_step_seconds: float  # 0 for a drafter without a model (prompt lookup)
     target_block_seconds: dict[int, float]  # tokens in the pass (k + 1) -> seconds; 1 is the step
+    draft_pass_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # tokens -> seconds (model drafts)
 
     @property
     def cost_ratio(self) -> float:
@@ -43,8 +44,8 @@ class CostTable:
 
     def best_possible_speedup(self) -> float:
         """The formula's speed-up at acceptance 1 for the best measured k: no draft can do better here."""
-        return max(predicted_speedup(1.0, k, self.cost_ratio, self.block_cost(k))
-                   for k in range(1, max(self.target_block_seconds)))
+        return max(predicted_speedup(1.0, size - 1, self.cost_ratio, self.block_cost(size - 1))
+                   for size in self.target_block_seconds if size > 1)
 
 
 @torch.no_grad()
@@ -69,16 +70,17 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
 
 
 def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, prefix_ids: torch.Tensor,
-                  block_sizes: list[int], repeats: int = 5) -> CostTable:
+                  block_sizes: list[int], repeats: int = 5, draft_widths: tuple[int, ...] = (1,)) -> CostTable:
     """Costs after ``prefix_ids`` ``[1, S]``: target passes over each of ``block_sizes`` tokens (and 1), and a draft
-    step (0 without a draft model)."""
+    step (0 without a draft model); a draft model's passes over ``draft_widths`` tokens too (a tree's levels)."""
     target_seconds = forward_seconds(target, prefix_ids.to(target.device), sorted({1, *block_sizes}), repeats)
-    draft_seconds = 0.0
+    draft_seconds, draft_passes = 0.0, {}
     if isinstance(draft, DraftHead):
         draft_seconds = head_step_seconds(draft, prefix_ids.to(draft.device), repeats)
     elif draft is not None:
-        draft_seconds = forward_seconds(draft, prefix_ids.to(draft.device), [1], repeats)[1]
-    return CostTable(target_seconds[1], draft_seconds, target_seconds)
+        draft_passes = forward_seconds(draft, prefix_ids.to(draft.device), sorted({1, *draft_widths}), repeats)
+        draft_seconds = draft_passes[1]
+    return CostTable(target_seconds[1], draft_seconds, target_seconds, draft_passes)
 
 
 @torch.no_grad()
@@ -110,11 +112,13 @@ _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {k
 
 
 def probe_costs(target: PreTrainedModel, draft: PreTrainedModel | None, max_draft_tokens: int,
-                repeats: int = 3) -> CostTable:
-    """`measure_costs` for blocks of 1 .. ``max_draft_tokens + 1`` tokens after `PROBE_PREFIX_LENGTH` random ids,
-    once per (target, draft, dtypes, threads, kernel paths, block sizes) in this process."""
+                repeats: int = 3, block_sizes: tuple[int, ...] | None = None,
+                draft_widths: tuple[int, ...] = (1,)) -> CostTable:
+    """`measure_costs` for blocks of 1 .. ``max_draft_tokens + 1`` tokens (or of ``block_sizes``) after
+    `PROBE_PREFIX_LENGTH` random ids, once per (target, draft, dtypes, threads, kernel paths, sizes) in this process."""
+    sizes = tuple(range(1, max_draft_tokens + 2)) if block_sizes is None else tuple(sorted(block_sizes))
     key = (None if draft is None else id(draft), _describe(target), _describe(draft), torch.get_num_threads(),
-           max_draft_tokens)
+           sizes, tuple(draft_widths))
     probed = _PROBED.setdefault(target, {})
     if key not in probed:
         generator = torch.Generator().manual_seed(0)  # the ids do not matter, only their number
@@ -122,9 +126,9 @@ def probe_costs(target: PreTrainedModel, draft: PreTrainedModel | None, max_draf
         if draft is not None:
             vocab_size = min(vocab_size, draft.get_input_embeddings().num_embeddings)
         max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 20
-        length = max(1, min(PROBE_PREFIX_LENGTH, max_positions - max_draft_tokens - 2))
+        length = max(1, min(PROBE_PREFIX_LENGTH, max_positions - max(sizes) - 1))
         prefix_ids = torch.randint(vocab_size, (1, length), generator=generator)
-        probed[key] = measure_costs(target, draft, prefix_ids, list(range(1, max_draft_tokens + 2)), repeats)
+        probed[key] = measure_costs(target, draft, prefix_ids, list(sizes), repeats, tuple(draft_widths))
     return probed[key]
 
 

@@ -138,7 +138,7 @@ class AutoDraftLength:
         if costs.draft_step_seconds > 0:
             self._draft_step.add(costs.draft_step_seconds, weight)
         for size, seconds in costs.target_block_seconds.items():
-            if size <= self.max_draft_tokens + 1:
+            if size <= self._max_block_size():
                 self._block.setdefault(size, _Mean(self._decay)).add(seconds, weight)
         self.has_costs = True
         best = costs.best_possible_speedup()
@@ -149,6 +149,10 @@ class AutoDraftLength:
                 "accepted every time would reach at most %.2fx target-only decoding (draft step / target step c = "
                 "%.2f, a %d-token target pass costs %.2f steps). Decoding with k = 0 (plain target steps).",
                 best, costs.cost_ratio, 2, costs.block_cost(1))
+
+    def _max_block_size(self) -> int:
+        """The largest target pass this chooser may ask for."""
+        return self.max_draft_tokens + 1
 
     def acceptance(self) -> list[float]:
         """Estimated P(accepted | reached) per block position."""
@@ -174,20 +178,28 @@ class AutoDraftLength:
     def choose(self, limit: int) -> int:
         """k for the next round, at most ``limit`` (tokens left before ``max_length``)."""
         limit = max(0, min(limit, self.max_draft_tokens))
-        self._is_exploring = False
-        if self.is_hopeless:
-            k = 0
-        elif self.block_seconds(1) is None:
-            k = self.initial
-        elif self._rounds_without_draft >= self._explore_wait:
-            k, self._is_exploring = 1, True
-        else:
+        k = self._forced_choice()
+        if k is None:
             draft_step = self._draft_step.get(0.0)  # 0 until a draft model ran (prompt lookup costs nothing)
             blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
             k = best_draft_length(self.acceptance(), draft_step, blocks)
             if k > 0 and self._is_drafting_slower():
                 k = 0  # the cost model says draft, the clock says no: trust the clock, explore later
-        k = min(k, limit)
+        return self._chose(min(k, limit))
+
+    def _forced_choice(self) -> int | None:
+        """k when the cost model is not asked: 0 when hopeless, ``initial`` before any cost, 1 to explore."""
+        self._is_exploring = False
+        if self.is_hopeless:
+            return 0
+        if self.block_seconds(1) is None:
+            return self.initial
+        if self._rounds_without_draft >= self._explore_wait:
+            self._is_exploring = True
+            return 1
+        return None
+
+    def _chose(self, k: int) -> int:
         self._rounds_without_draft = self._rounds_without_draft + 1 if k == 0 else 0
         self.chosen.append(k)
         return k
@@ -204,18 +216,29 @@ class AutoDraftLength:
         for accepted in num_accepted:
             for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
                 self._accepted[position].add(float(position < accepted))
-        if verify_seconds is not None:
-            if num_model_steps > 0:
-                self._draft_step.add(draft_seconds / num_model_steps)
-            self._block.setdefault(num_draft_tokens + 1, _Mean(self._decay)).add(verify_seconds)
-            is_drafting = num_draft_tokens > 0
-            if is_drafting == self._was_drafting:  # steady rounds only: a switch costs the draft a catch-up pass
-                emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
-                seconds = draft_seconds + verify_seconds
-                self._rate[is_drafting].add(emitted / seconds, weight=seconds)  # so the mean is tokens / seconds
-        self._was_drafting = num_draft_tokens > 0
-        if self._is_exploring and num_draft_tokens > 0:
-            is_rejected = max(num_accepted, default=0) == 0
+        emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
+        self._learn_costs(num_draft_tokens + 1, self._draft_step, draft_seconds, num_model_steps, verify_seconds,
+                          emitted)
+        self._learn_exploration(num_draft_tokens > 0, max(num_accepted, default=0) == 0)
+
+    def _learn_costs(self, num_block_tokens: int, draft_step: _Mean, draft_seconds: float, num_model_steps: int,
+                     verify_seconds: float | None, emitted: float) -> None:
+        """A round's timings: a draft pass (into ``draft_step``), the target pass over ``num_block_tokens`` tokens,
+        and the tokens per second of steady rounds, drafting or not."""
+        if verify_seconds is None:
+            return
+        if num_model_steps > 0:
+            draft_step.add(draft_seconds / num_model_steps)
+        self._block.setdefault(num_block_tokens, _Mean(self._decay)).add(verify_seconds)
+        is_drafting = num_block_tokens > 1
+        if is_drafting == self._was_drafting:  # steady rounds only: a switch costs the draft a catch-up pass
+            seconds = draft_seconds + verify_seconds
+            self._rate[is_drafting].add(emitted / seconds, weight=seconds)  # so the mean is tokens / seconds
+
+    def _learn_exploration(self, is_drafting: bool, is_rejected: bool) -> None:
+        """An exploring round that was rejected doubles the wait before the next one; one accepted resets it."""
+        self._was_drafting = is_drafting
+        if self._is_exploring and is_drafting:
             self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_rejected else self.explore_every
 
     def _is_drafting_slower(self) -> bool:

@@ -73,6 +73,12 @@ def path_to(parents: list[int], node: int) -> list[int]:
 class TreeDrafter(Drafter):
     """A drafter that can also propose a tree; the loop then verifies every node in one target pass."""
 
+    @property
+    def growth(self) -> tuple[int, int | None]:
+        """How it grows a tree, for the tree-size chooser's model (`hf_spec.drafting.tree_size`): ``(children per
+        node, nodes expanded per level)``, the second ``None`` when the most promising nodes anywhere grow first."""
+        return (4, None)
+
     @abc.abstractmethod
     def propose_tree(self, batch: RaggedBatch, num_nodes: int, max_depth: int, context: DraftContext,
                      branching: int | None = None) -> DraftTree:

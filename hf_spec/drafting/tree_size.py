@@ -1,0 +1,215 @@
+"""How big a tree to draft each round: a fixed node budget, or the budget and branching with the most expected tokens
+per second (``num_tree_nodes="auto"``).
+
+The model of acceptance is Sequoia's positional one (Chen et al. 2024), kept per depth: ``p[d][r]`` is the
+probability that the (r+1)-th child tried at depth d+1 is accepted, given that its parent was reached and its earlier
+siblings were rejected (``p[d][0]`` is a chain's acceptance at block position d). A node reached through ranks
+r_1 .. r_D is on the accepted path with probability
+
+    f(v) = prod_d (prod_{j < r_d} (1 - p[d][j])) p[d][r_d]
+
+and a tree emits 1 + sum_v f(v) tokens in expectation. `grow_values` replays the drafter's own growth rule with f as
+the value (level by level, the ``width`` best nodes of a level expanded into ``branching`` children; or best-first
+over the whole tree for a drafter without a width, such as suffix matching), giving the expected tokens and the depth
+of the tree for every budget N. A round costs one draft pass per depth (a draft model or head; nothing for suffix
+matching) plus one target pass over N + 1 tokens. `AutoTreeSize` estimates p and both costs online, like
+`AutoDraftLength` (which it extends: forgetting, shrinkage, the probe's costs as a start, exploration after rounds
+without drafting, and the clock overruling the model), and before every round picks the N in 0 .. ``max_nodes`` and
+the branching (the drafter's, or 1: a chain) with the most expected tokens per second. Where blocks are expensive it
+thus drafts a chain, or nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+from hf_spec.checks import check_int
+from hf_spec.drafting.draft_length import AutoDraftLength, _Mean
+from hf_spec.drafting.tree import DraftTree
+
+#: The node budget most with ``num_tree_nodes="auto"``: the probe measures target passes up to this many + 1 tokens.
+DEFAULT_MAX_TREE_NODES = 32
+#: Target pass sizes the probe measures for ``"auto"``; others are interpolated.
+PROBE_BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)
+#: Children per node the model considers for a drafter without its own limit (suffix matching).
+MAX_RANKS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeChoice:
+    """One round's tree: at most ``num_nodes`` nodes, ``max_depth`` deep, ``branching`` children per node (``None``:
+    the drafter's own limit; 1: a chain)."""
+
+    num_nodes: int
+    max_depth: int
+    branching: int | None = None
+
+
+class FixedTreeSize:
+    """The same budget every round (shallower near ``max_length``)."""
+
+    is_timed = False
+
+    def __init__(self, num_nodes: int, max_depth: int):
+        self.num_nodes, self.max_depth = check_int("num_tree_nodes", num_nodes), max_depth
+
+    def choose_tree(self, depth_limit: int) -> TreeChoice:
+        depth = min(self.max_depth, depth_limit)
+        return TreeChoice(self.num_nodes if depth > 0 else 0, depth)
+
+    def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
+                    verify_seconds: float | None) -> None:
+        """Nothing to learn."""
+
+
+def grow_values(acceptance: list[list[float]], num_nodes: int, branching: int,
+                width: int | None) -> tuple[list[float], list[int]]:
+    """``(f, depth)`` of each node in the order the drafter adds them, at most ``num_nodes``: the expected tokens of a
+    budget N are ``1 + sum(f[:N])`` and its draft passes ``depth[N - 1]``.
+
+    Args:
+        acceptance: ``p[d][r]`` for depths ``0 .. D - 1`` (the tree is at most D deep) and ranks ``0 .. branching - 1``.
+        width: nodes expanded per level (level by level), or ``None``: best-first over the whole tree.
+    """
+    values: list[float] = []
+    depths: list[int] = []
+
+    def children(value: float, depth: int) -> list[float]:  # f of each child of a node at ``depth``
+        reach, out = value, []
+        for rank in range(min(branching, len(acceptance[depth]))):
+            out.append(reach * acceptance[depth][rank])
+            reach *= 1.0 - acceptance[depth][rank]
+        return out
+
+    if not acceptance:
+        return values, depths
+    if width is None:  # best-first: the most valuable node not yet in the tree, which keeps the tree connected
+        heap = [(-f, 1) for f in children(1.0, 0)]
+        heapq.heapify(heap)
+        while heap and len(values) < num_nodes:
+            negative, depth = heapq.heappop(heap)
+            values.append(-negative)
+            depths.append(depth)
+            if depth < len(acceptance):
+                for f in children(-negative, depth):
+                    heapq.heappush(heap, (-f, depth + 1))
+        return values, depths
+    frontier, depth = [1.0], 0
+    while depth < len(acceptance) and len(values) < num_nodes:
+        level = []
+        for value in frontier:
+            for f in children(value, depth):
+                if len(values) == num_nodes:
+                    break
+                values.append(f)
+                depths.append(depth + 1)
+                level.append(f)
+        frontier, depth = sorted(level, reverse=True)[:width], depth + 1
+    return values, depths
+
+
+def rank_outcomes(parents: list[int], path: list[int]) -> list[tuple[int, int, bool]]:
+    """``(depth, rank, accepted)`` for every child the acceptance rule tried: at the root and at each node of the
+    accepted ``path``, its children in order up to the accepted one (all of them where the path ends); depth 0 is the
+    root's children."""
+    outcomes = []
+    for depth, node in enumerate([-1, *path]):
+        accepted = path[depth] if depth < len(path) else None
+        for rank, child in enumerate(child for child, parent in enumerate(parents) if parent == node):
+            outcomes.append((depth, rank, child == accepted))
+            if child == accepted:
+                break
+    return outcomes
+
+
+class AutoTreeSize(AutoDraftLength):
+    """Chooses the node budget and branching before every round from acceptance and costs measured online (see the
+    module docstring); as an `AutoDraftLength` it also chooses a chain's k from the same first-child acceptance.
+
+    Args:
+        max_nodes: the largest budget considered.
+        max_depth: the deepest tree (and the longest chain).
+        later_prior: acceptance assumed for second and later children before any was tried.
+        Other arguments: `AutoDraftLength`.
+    """
+
+    def __init__(self, max_nodes: int = DEFAULT_MAX_TREE_NODES, max_depth: int = 10, initial: int = 4,
+                 later_prior: float = 0.2, **kwargs):
+        super().__init__(max_draft_tokens=check_int("max_depth", max_depth), initial=initial, **kwargs)
+        self.max_nodes = check_int("max_nodes", max_nodes)
+        if not 0.0 < later_prior < 1.0:
+            raise ValueError(f"`later_prior` must be in (0, 1), but is {later_prior!r}.")
+        self.later_prior = later_prior
+        self.shape: tuple[int, int | None] = (1, 1)  # the drafter's (branching, width), set by the loop
+        self._later = [[_Mean(self._decay) for _ in range(MAX_RANKS - 1)] for _ in range(max_depth)]
+        self._tree_step = _Mean(self._decay)  # seconds of a draft pass over a tree level
+        self.chosen_branching: list[int] = []
+
+    def start_from(self, costs, weight: float = 4.0) -> None:
+        super().start_from(costs, weight)
+        width = self.shape[1] or 1
+        if costs.draft_pass_seconds:
+            nearest = min(costs.draft_pass_seconds, key=lambda size: abs(size - width))
+            self._tree_step.add(costs.draft_pass_seconds[nearest], weight)
+        elif costs.draft_step_seconds > 0:
+            self._tree_step.add(costs.draft_step_seconds, weight)
+
+    def _max_block_size(self) -> int:
+        return self.max_nodes + 1
+
+    def tree_acceptance(self, branching: int) -> list[list[float]]:
+        """``p[d][r]`` for ranks ``0 .. branching - 1``: first children from the chain's estimate, later ones shrunk
+        towards their rank's pooled rate, which is shrunk towards ``later_prior``."""
+        first = self.acceptance()
+        table = []
+        for depth in range(self.max_draft_tokens):
+            row = [first[depth]]
+            for rank in range(branching - 1):
+                pooled_total = sum(self._later[d][rank].total for d in range(self.max_draft_tokens))
+                pooled_weight = sum(self._later[d][rank].weight for d in range(self.max_draft_tokens))
+                pooled = (pooled_total + self.later_prior * self.prior_weight) / (pooled_weight + self.prior_weight)
+                cell = self._later[depth][rank]
+                row.append((cell.total + pooled * self.prior_weight) / (cell.weight + self.prior_weight))
+            table.append(row)
+        return table
+
+    def choose_tree(self, depth_limit: int) -> TreeChoice:
+        """The next round's tree, at most ``depth_limit`` deep (tokens left before ``max_length``)."""
+        depth_limit = max(0, min(depth_limit, self.max_draft_tokens))
+        forced = self._forced_choice()
+        if forced is not None:
+            branching = 1 if self._is_exploring or forced == 0 else None
+            return self._chose_tree(TreeChoice(forced if depth_limit > 0 else 0, depth_limit, branching))
+        best, best_rate = TreeChoice(0, depth_limit, 1), 1.0 / self.block_seconds(1)
+        drafter_branching, width = self.shape
+        for branching in sorted({1, drafter_branching}):
+            step = self._draft_step.get(0.0) if branching == 1 else self._tree_step.get(self._draft_step.get(0.0))
+            values, depths = grow_values(self.tree_acceptance(min(branching, MAX_RANKS))[:depth_limit],
+                                         self.max_nodes, branching, 1 if branching == 1 else width)
+            expected = 1.0
+            for count, (value, depth) in enumerate(zip(values, depths), start=1):
+                expected += value
+                rate = expected / (depth * step + self.block_seconds(count + 1))
+                if rate > best_rate:
+                    best, best_rate = TreeChoice(count, depth, branching), rate
+        if best.num_nodes > 0 and self._is_drafting_slower():
+            best = TreeChoice(0, depth_limit, 1)  # the cost model says draft, the clock says no
+        return self._chose_tree(best)
+
+    def _chose_tree(self, choice: TreeChoice) -> TreeChoice:
+        self._chose(choice.num_nodes)
+        self.chosen_branching.append(choice.branching or self.shape[0])
+        return choice
+
+    def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
+                    verify_seconds: float | None) -> None:
+        """Learn from a finished round: the children the rule tried at each depth, and the round's timings."""
+        for depth, rank, accepted in rank_outcomes(tree.parents, path):
+            if depth >= self.max_draft_tokens or rank >= MAX_RANKS:
+                continue
+            (self._accepted[depth] if rank == 0 else self._later[depth][rank - 1]).add(float(accepted))
+        is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
+        self._learn_costs(tree.num_nodes + 1, self._tree_step if is_tree else self._draft_step, draft_seconds,
+                          tree.num_model_steps, verify_seconds, 1.0 + len(path))
+        self._learn_exploration(tree.num_nodes > 0, not path)

@@ -1,0 +1,171 @@
+"""``num_tree_nodes="auto"``: the tree model's maths, the chooser on synthetic pairs (a tree where blocks are cheap, a
+chain or nothing where they are not), and generate() with it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_noisy_copy, make_tiny_model
+
+from hf_spec import speculative
+from hf_spec.drafting.costs import CostTable
+from hf_spec.drafting.speedup import expected_tokens
+from hf_spec.drafting.tree import DraftTree
+from hf_spec.drafting.tree_size import AutoTreeSize, grow_values, rank_outcomes
+from hf_spec.heads import DraftHead
+
+
+def test_a_chain_grows_the_speedup_formula():
+    acceptance = [0.9, 0.7, 0.5, 0.3]
+    values, depths = grow_values([[a] for a in acceptance], 4, branching=1, width=1)
+    for k in range(5):
+        assert 1 + sum(values[:k]) == pytest.approx(expected_tokens(acceptance, k))
+    assert depths == [1, 2, 3, 4]
+
+
+def test_tree_growth_by_hand():
+    table = [[0.5, 0.4], [0.5, 0.4]]
+    # level by level, the best node of each level expanded: f(first) = 0.5, f(second) = 0.5 * 0.4, then children of
+    # the first: 0.5 * 0.5 and 0.5 * 0.5 * 0.4
+    values, depths = grow_values(table, 10, branching=2, width=1)
+    assert values == pytest.approx([0.5, 0.2, 0.25, 0.1]) and depths == [1, 1, 2, 2]
+    # best-first over the whole tree: the most valuable node whose parent is in, whatever its depth
+    values, depths = grow_values(table, 4, branching=2, width=None)
+    assert values == pytest.approx([0.5, 0.25, 0.2, 0.1]) and depths == [1, 2, 1, 2]
+    assert grow_values(table, 3, branching=2, width=1)[0] == pytest.approx([0.5, 0.2, 0.25])  # budget cut mid-level
+    assert grow_values([], 5, branching=2, width=1) == ([], [])
+
+
+def test_rank_outcomes_are_the_children_the_rule_tried():
+    parents = [-1, -1, 0, 0, 2]
+    assert rank_outcomes(parents, [0, 3]) == [(0, 0, True), (1, 0, False), (1, 1, True)]
+    assert rank_outcomes(parents, [0, 2, 4]) == [(0, 0, True), (1, 0, True), (2, 0, True)]
+    assert rank_outcomes(parents, [1]) == [(0, 0, False), (0, 1, True)]
+    assert rank_outcomes(parents, []) == [(0, 0, False), (0, 1, False)]
+
+
+# --- The chooser against a synthetic pair: first children accepted with a, later ones with g, at every depth. -------
+
+def _synthetic_tree(a: float, g: float, num_nodes: int, branching: int, width: int) -> DraftTree:
+    """The tree the drafter would grow with the true values (ranks in order, the best ``width`` expanded)."""
+    parents, values, frontier = [], [], [(-1, 1.0)]
+    while len(parents) < num_nodes and frontier:
+        level = []
+        for node, value in frontier:
+            reach = value
+            for rank in range(branching):
+                if len(parents) == num_nodes:
+                    break
+                p = a if rank == 0 else g
+                parents.append(node)
+                values.append(reach * p)
+                level.append((len(parents) - 1, reach * p))
+                reach *= 1 - p
+        frontier = sorted(level, key=lambda item: -item[1])[:width]
+    return DraftTree(torch.zeros(len(parents), dtype=torch.long), parents, None, torch.zeros(2, dtype=torch.bool), 0)
+
+
+def _sample_path(tree: DraftTree, a: float, g: float, rng: random.Random) -> list[int]:
+    path, node = [], -1
+    while True:
+        children = [child for child, parent in enumerate(tree.parents) if parent == node]
+        accepted = next((child for rank, child in enumerate(children) if rng.random() < (a if rank == 0 else g)),
+                        None)
+        if accepted is None:
+            return path
+        path.append(accepted)
+        node = accepted
+
+
+def _rate(a, g, c, block, num_nodes, branching, width):
+    """True expected tokens per second of a budget and branching."""
+    values, depths = grow_values([[a] + [g] * (branching - 1)] * 10, num_nodes, branching, width)
+    n = len(values)
+    return (1 + sum(values)) / ((depths[-1] if n else 0) * c + block(n + 1))
+
+
+def simulate(chooser: AutoTreeSize, a, g, c, block, rounds: int, seed: int) -> list:
+    rng = random.Random(seed)
+    chooser.shape = (3, 2)
+    choices = []
+    for index in range(rounds):
+        choice = chooser.choose_tree(100)
+        branching = choice.branching or 3
+        tree = _synthetic_tree(a, g, choice.num_nodes, branching, 1 if branching == 1 else 2)
+        depth = max(tree.depths, default=0)
+        tree.num_model_steps = depth
+        path = _sample_path(tree, a, g, rng)
+        chooser.update_tree(tree, path, draft_seconds=depth * c,
+                            verify_seconds=None if index == 0 else block(tree.num_nodes + 1))
+        choices.append((choice.num_nodes, branching))
+    return choices
+
+
+CHEAP_BLOCKS = {"a": 0.55, "g": 0.45, "c": 0.03, "block": lambda n: 1.0 + 0.01 * (n - 1)}
+EXPENSIVE_BLOCKS = {"a": 0.8, "g": 0.4, "c": 0.1, "block": lambda n: 1.0 + 0.7 * (n - 1)}  # b >= 2 from 3 tokens
+
+
+@pytest.mark.parametrize("pair", [CHEAP_BLOCKS, EXPENSIVE_BLOCKS], ids=["cheap_blocks", "expensive_blocks"])
+def test_auto_reaches_the_best_rate_on_a_synthetic_pair(pair):
+    """After a warm-up, its choices earn at least 90% of the best budget's expected rate (trees and chains)."""
+    choices = simulate(AutoTreeSize(), **pair, rounds=300, seed=1)
+    a, g, c, block = pair["a"], pair["g"], pair["c"], pair["block"]
+    best = max(_rate(a, g, c, block, n, b, 1 if b == 1 else 2) for n in range(33) for b in (1, 3))
+    achieved = [_rate(a, g, c, block, n, b, 1 if b == 1 else 2) for n, b in choices[100:]]
+    assert sum(achieved) / len(achieved) >= 0.9 * best, choices[-10:]
+
+
+def test_cheap_blocks_grow_trees_and_expensive_blocks_a_chain_or_nothing():
+    cheap = simulate(AutoTreeSize(), **CHEAP_BLOCKS, rounds=200, seed=2)[100:]
+    assert sum(n for n, b in cheap if b > 1) > 0.8 * sum(n for n, _ in cheap) and max(n for n, _ in cheap) >= 12
+    expensive = simulate(AutoTreeSize(), **EXPENSIVE_BLOCKS, rounds=200, seed=3)[100:]
+    assert all(b == 1 or n == 0 for n, b in expensive), expensive[-10:]
+    assert max(n for n, _ in expensive) <= 3
+
+
+# --- Through generate(). -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return speculative(make_tiny_model(seed=0, vocab_size=256))
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "head", "suffix"])
+def test_greedy_auto_trees_equal_target_only(model, drafter):
+    prompt = torch.tensor([[5, 9, 5, 9, 7, 5, 9, 3, 1, 4, 1, 5]])
+    assistant = {"draft_model": {"assistant_model": make_noisy_copy(model, seed=3, noise=0.3)},
+                 "head": {"assistant_model": DraftHead.from_target(model)},
+                 "suffix": {"prompt_lookup_num_tokens": 4}}[drafter]
+    chooser = AutoTreeSize(max_nodes=12, initial=6)
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, num_tree_nodes=chooser,
+                         return_dict_in_generate=True, **assistant)
+    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=30, do_sample=False))
+    assert chooser.has_costs and len(chooser.chosen) == out.speculative_stats.num_rounds
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_auto_drafts_nothing_where_no_draft_can_pay(model, caplog):
+    """Measured costs where even a draft accepted every time loses: plain target steps throughout, said once."""
+    chooser = AutoTreeSize()
+    chooser.start_from(CostTable(1.0, 0.9, {1: 1.0, 2: 3.0, 5: 9.0, 33: 60.0}))
+    assert chooser.is_hopeless and "speculation cannot pay" in caplog.text
+    prompt = torch.tensor([[5, 9, 5, 9, 7]])
+    out = model.generate(prompt, assistant_model=make_noisy_copy(model, seed=3, noise=0.3), num_tree_nodes=chooser,
+                         max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert set(chooser.chosen) == {0} and out.speculative_stats.num_draft_tokens == 0
+    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
+def test_auto_tree_arguments_are_refused_by_name(model):
+    prompt = torch.tensor([[5, 9, 5]])
+    draft = make_noisy_copy(model, seed=3, noise=0.3)
+    with pytest.raises(ValueError, match=r"`num_tree_nodes` .* but is 'big'"):
+        model.generate(prompt, assistant_model=draft, num_tree_nodes="big")
+    with pytest.raises(ValueError, match=r"`num_tree_nodes='auto'`"):
+        model.generate(prompt, assistant_model=draft, num_tree_nodes=4, num_assistant_tokens="auto")
+    with pytest.raises(ValueError, match=r"`num_assistant_tokens`.* but is 0"):
+        model.generate(prompt, assistant_model=draft, num_tree_nodes="auto", num_assistant_tokens=0)
+    with pytest.raises(ValueError, match=r"`max_nodes` must be a positive integer, but is 0"):
+        AutoTreeSize(max_nodes=0)
