@@ -9,6 +9,7 @@ import torch
 from conftest import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
+from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
 from hf_spec.drafting.speedup import expected_tokens
 
@@ -74,6 +75,20 @@ def test_auto_follows_a_change_in_acceptance():
     high = chooser.chosen[-1]
     simulate(chooser, 0.3, 0.05, 0.05, rounds=200, seed=3)
     assert chooser.chosen[-1] < high
+
+
+def test_explorations_fade_where_blocks_are_too_expensive_even_for_a_good_draft():
+    """Blocks of 2+ tokens cost 2.2+ steps: no k pays although the draft is right 90% of the time. Explorations are
+    accepted, yet each one doubles the wait, so the call stays within 3% of plain target steps."""
+    a, c, slope = 0.9, 0.36, 1.2
+    chooser = AutoDraftLength()
+    chooser.start_from(CostTable(1.0, c, {size: 1.0 + slope * (size - 1) for size in range(1, 12)}))
+    ks = simulate(chooser, a, c, slope, rounds=300, seed=5)
+    explorations = [i for i, k in enumerate(ks) if k > 0]
+    assert all(k <= 1 for k in ks) and len(explorations) <= 6, ks
+    tokens = sum(expected_tokens(a, k) for k in ks)
+    seconds = sum(k * c + 1.0 + slope * k for k in ks)
+    assert tokens / seconds >= 0.97  # target-only: 1 token per second
 
 
 def test_auto_explores_after_rounds_without_drafting():

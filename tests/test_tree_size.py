@@ -125,6 +125,22 @@ def test_cheap_blocks_grow_trees_and_expensive_blocks_a_chain_or_nothing():
     assert max(n for n, _ in expensive) <= 3
 
 
+def test_expensive_blocks_stay_within_three_percent_of_target_only():
+    """From probed costs as in generate(): a good draft (first children accepted 80% of the time) that cannot pay
+    for blocks costing 1.7 steps per extra token; explorations fade, so plain steps keep 97% of their speed."""
+    pair = {**EXPENSIVE_BLOCKS, "block": lambda n: 1.0 + 1.2 * (n - 1)}
+    chooser = AutoTreeSize()
+    chooser.shape = (3, 2)
+    chooser.start_from(CostTable(1.0, pair["c"], {n: pair["block"](n) for n in (1, 2, 4, 8, 16, 33)}, {1: 0.1, 2: 0.1}))
+    choices = simulate(chooser, **pair, rounds=300, seed=4)
+    tokens = seconds = 0.0
+    for n, b in choices:
+        values, depths = grow_values([[pair["a"]] + [pair["g"]] * (b - 1)] * 10, n, b, 1 if b == 1 else 2)
+        tokens += 1 + sum(values)
+        seconds += max(depths, default=0) * pair["c"] + pair["block"](n + 1)
+    assert tokens / seconds >= 0.97 and sum(n > 0 for n, _ in choices) <= 6, choices
+
+
 # --- Through generate(). -------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

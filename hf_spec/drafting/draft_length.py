@@ -12,8 +12,9 @@ and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 
   (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed.
 
 k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts a
-single token so the acceptance estimate can recover, and each exploration that fails doubles the wait (up to
-`MAX_EXPLORE_EVERY`), so a draft that does not fit costs ever less. The clock has the last word: once rounds that
+single token so the acceptance estimate can recover, and each exploration that does not bring drafting back doubles
+the wait (up to `MAX_EXPLORE_EVERY`), so a draft that does not fit (or blocks too expensive to pay for any draft)
+costs ever less. The clock has the last word: once rounds that
 drafted have measurably emitted fewer tokens per second than plain target steps, k is 0 until an exploration says
 otherwise (the cost model misses costs such as the draft catching up on skipped tokens). `start_from` seeds the costs
 with measured ones (`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process for
@@ -124,7 +125,7 @@ class AutoDraftLength:
         self._block = {}  # block size -> _Mean of seconds
         self._decay = decay
         self._rounds_without_draft = 0
-        self._explore_wait = explore_every  # grows while explorations are rejected
+        self._explore_wait = explore_every  # grows while explorations leave k at 0
         self._is_exploring = False
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 throughout
         # tokens per second of steady rounds that drafted, or not: decayed token sums over decayed second sums
@@ -219,7 +220,7 @@ class AutoDraftLength:
         emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
         self._learn_costs(num_draft_tokens + 1, self._draft_step, draft_seconds, num_model_steps, verify_seconds,
                           emitted)
-        self._learn_exploration(num_draft_tokens > 0, max(num_accepted, default=0) == 0)
+        self._learn_exploration(num_draft_tokens > 0)
 
     def _learn_costs(self, num_block_tokens: int, draft_step: _Mean, draft_seconds: float, num_model_steps: int,
                      verify_seconds: float | None, emitted: float) -> None:
@@ -235,11 +236,15 @@ class AutoDraftLength:
             seconds = draft_seconds + verify_seconds
             self._rate[is_drafting].add(emitted / seconds, weight=seconds)  # so the mean is tokens / seconds
 
-    def _learn_exploration(self, is_drafting: bool, is_rejected: bool) -> None:
-        """An exploring round that was rejected doubles the wait before the next one; one accepted resets it."""
+    def _learn_exploration(self, is_drafting: bool) -> None:
+        """Each exploring round doubles the wait before the next one; a round that drafts because the model chose to
+        (the exploration changed its mind) resets it. An accepted exploration alone does not: where blocks are
+        expensive, drafting loses even when the draft is right, and each exploration costs a block."""
         self._was_drafting = is_drafting
         if self._is_exploring and is_drafting:
-            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY) if is_rejected else self.explore_every
+            self._explore_wait = min(2 * self._explore_wait, MAX_EXPLORE_EVERY)
+        elif is_drafting:
+            self._explore_wait = self.explore_every
 
     def _is_drafting_slower(self) -> bool:
         """Whether rounds that drafted have emitted fewer tokens per second than plain target steps, both measured

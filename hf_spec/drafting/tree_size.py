@@ -212,4 +212,4 @@ class AutoTreeSize(AutoDraftLength):
         is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
         self._learn_costs(tree.num_nodes + 1, self._tree_step if is_tree else self._draft_step, draft_seconds,
                           tree.num_model_steps, verify_seconds, 1.0 + len(path))
-        self._learn_exploration(tree.num_nodes > 0, not path)
+        self._learn_exploration(tree.num_nodes > 0)
