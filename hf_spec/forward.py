@@ -151,8 +151,8 @@ def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, atte
 
 
 def tree_attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
-    """``visible`` ``[queries, keys]`` bool as ``[1, 1, queries, keys]`` in the form the model's attention takes a custom mask: boolean (sdpa, flex) or
-    additive (eager); flash attention cannot take one."""
+    """``visible`` ``[queries, keys]`` bool as ``[1, 1, queries, keys]``, in the form the model's attention takes a
+    custom mask: boolean (sdpa, flex) or additive (eager); flash attention cannot take one."""
     implementation = attention_implementation(model)
     if "flash" in implementation:
         raise ValueError(f"Tree verification needs a custom attention mask, which attn_implementation="

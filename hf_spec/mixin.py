@@ -47,19 +47,19 @@ from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
 from hf_spec.drafting import AutoDraftLength
 from hf_spec.drafting.costs import probe_costs
-from hf_spec.drafting.tree_size import PROBE_BLOCK_SIZES, AutoTreeSize
 from hf_spec.drafting.from_arguments import make_drafter, make_tree_drafter
+from hf_spec.drafting.tree_size import PROBE_BLOCK_SIZES, AutoTreeSize
 from hf_spec.heads.model import DraftHead
 from hf_spec.stats import SpeculativeStats
 from hf_spec.tree_decoding import tree_decode
 from hf_spec.validation import (
+    check_tree_nodes,
     resolve_num_draft_tokens,
     resolve_prompt_lookup,
+    resolve_tree_size,
     validate_draft_length_limit,
     validate_generator,
     validate_input_types,
-    check_tree_nodes,
-    resolve_tree_size,
     validate_input_values,
     validate_model_kwargs,
     validate_speculative_call,
@@ -201,7 +201,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
             # measured once per process and models, passes of up to max_nodes + 1 tokens (a head: learnt online)
             is_model = isinstance(assistant_model, PreTrainedModel) and not isinstance(assistant_model, DraftHead)
             tree_size.shape = drafter.growth
-            sizes = tuple(size for size in PROBE_BLOCK_SIZES if size <= tree_size.max_nodes) + (tree_size.max_nodes + 1,)
+            sizes = (*(size for size in PROBE_BLOCK_SIZES if size <= tree_size.max_nodes), tree_size.max_nodes + 1)
             tree_size.start_from(probe_costs(self, assistant_model if is_model else None, tree_size.max_nodes,
                                              block_sizes=sizes, draft_widths=(1, drafter.growth[1] or 1)))
         result = tree_decode(

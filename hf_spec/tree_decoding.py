@@ -1,10 +1,12 @@
 """The speculative loop with a tree of drafts per round: many candidate continuations, one target pass.
 
-The same five steps as `hf_spec.decoding`, for a batch of one row: the drafter proposes a tree
+The same five steps as `hf_spec.decoding`, for a batch of one row: `hf_spec.drafting.tree_size` sizes the round's
+tree (a fixed budget, or the budget and branching with the most expected tokens per second), the drafter proposes it
 (`hf_spec.drafting.tree`), one target pass verifies every node under a tree attention mask
 (`hf_spec.forward.forward_tree`), `hf_spec.rejection.accept_tree` keeps one path and a next token with the target's
 exact law, stopping criteria cut it where target-only decoding would stop, and both caches keep the committed prefix
 plus the accepted path's entries (`hf_spec.caches.keep_tree_path`; nothing is recomputed) before the usual rollback.
+A draft head gets the target's hidden states of the committed tokens and of the accepted path from the same pass.
 
 Why one row: each row of a batch would need its own tree, its own 4D mask and its own accepted path gathered from
 the cache; with holes (`hf_spec.rows`) that is a different bookkeeping, left for later. Batches use chains.

@@ -7,8 +7,9 @@ with an acceptance oracle, and batches. One command, one JSON and one Markdown s
 What it measures:
 
 1. Exactness on the device: the statistical tests (enumerated target law against speculative samples) for plain
-   sampling, top-p with a repetition penalty, and a ragged batch of 8 rows, with a ``torch.Generator`` on the device,
-   plus the negative control that must fail; greedy equality with target-only decoding on a ragged batch.
+   sampling, top-p with a repetition penalty, a ragged batch of 8 rows, and trees of draft-model nodes (tree
+   attention masks and cache gathers on the device), with a ``torch.Generator`` on the device, plus the negative
+   control that must fail; greedy equality with target-only decoding on a ragged batch, and with trees.
 2. Costs, bf16, random weights of real shapes (Qwen2.5-Coder-1.5B and 0.5B, and a Qwen2.5-7B-shaped target with the
    0.5B draft): a target step, passes over 2, 4, 8, 16 and 32 tokens (b), a draft step (c).
 3. The acceptance oracle (`hf_spec.drafting.oracle.OracleDrafter`): the target's own greedy continuation replayed
@@ -134,6 +135,18 @@ def check_exactness(device: torch.device, quick: bool) -> list[dict]:
                             torch.tensor([prompt], device=device), 3)
             fit = fit_sequences(prompt_samples, law)
             results.append({"case": name, "prompt": prompt, **dataclasses.asdict(fit), "passed": fit.is_consistent})
+    # a tree of 6 draft-model nodes per round (children drawn without replacement), one row per call
+    num_tree_samples = 300 if quick else 2000
+    generator = torch.Generator(device).manual_seed(7)
+    prompt = torch.tensor([[1, 3, 2]], device=device)
+    samples = torch.stack([
+        target.generate(prompt, assistant_model=draft, do_sample=True, num_tree_nodes=6, num_assistant_tokens=3,
+                        generator=generator, pad_token_id=0, max_new_tokens=3, min_new_tokens=3)[0, 3:].cpu()
+        for _ in range(num_tree_samples)
+    ]).numpy()
+    fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3}, prompt, 3))
+    results.append({"case": "tree of 6 draft-model nodes, depth 3, one row", "prompt": [1, 3, 2],
+                    **dataclasses.asdict(fit), "passed": fit.is_consistent})
     original = hf_spec.decoding.accept_draft_tokens
     hf_spec.decoding.accept_draft_tokens = _resample_from_p
     try:  # the negative control: resampling from p instead of the residual must be caught
@@ -186,8 +199,13 @@ def check_greedy(device: torch.device) -> dict:
     common = {"attention_mask": mask, "max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
     expected = without_speculation_generate(target, ids, **common)
     output = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **common)
+    single = {"max_new_tokens": 24, "do_sample": False}
+    tree_identical = all(  # trees take one row per call: against target-only decoding of that row alone
+        torch.equal(target.generate(row, assistant_model=draft, num_tree_nodes=8, **single),
+                    without_speculation_generate(target, row, **single))
+        for row in (torch.tensor([prompt], device=device) for prompt in prompts))
     return {"identical": bool(torch.equal(output.sequences, expected)),
-            "acceptance_rate": output.speculative_stats.acceptance_rate}
+            "acceptance_rate": output.speculative_stats.acceptance_rate, "tree_identical": tree_identical}
 
 
 def without_speculation_generate(target, *args, **kwargs):
@@ -260,7 +278,8 @@ def summary(report: dict) -> str:
              "## Exactness", "", "| case | prompt | p-value | TV | bound | passed |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['prompt']} | {r['p_value']:.3g} | {r['total_variation']:.4f} | {r['tv_bound']:.4f} "
               f"| {r['passed']} |" for r in report["exactness"]]
-    lines += ["", f"Greedy ragged batch identical to target-only: {report['greedy']['identical']}.", "", "## Costs", "",
+    lines += ["", (f"Greedy ragged batch identical to target-only: {report['greedy']['identical']}; greedy trees "
+                   f"(8 nodes, one row per call) identical: {report['greedy']['tree_identical']}."), "", "## Costs", "",
               "| target | draft | step ms | b(2) | b(4) | b(8) | b(16) | b(32) | draft step ms | c |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["costs"]:

@@ -23,6 +23,18 @@ def test_generate_prints_tokens_and_statistics(capsys):
     assert report["speculative_tokens_per_second"] > 0 and report["target_only_tokens_per_second"] > 0
 
 
+@pytest.mark.parametrize("nodes", ["6", "auto"])
+def test_generate_drafts_trees(capsys, nodes):
+    argv = ["generate", *TINY, "--max-new-tokens", "16", "--num-tree-nodes", nodes, "-k", "3", "--json"]
+    assert main(argv) == 0
+    output = capsys.readouterr().out
+    report = json.loads(output[output.index("{") :])
+    assert report["new_tokens"] == 16 and sum(report["rounds_by_accepted"]) == report["num_rounds"]
+    with pytest.raises(SystemExit):
+        main(["generate", *TINY, "--num-tree-nodes", "0"])
+    assert "--num-tree-nodes: must be a positive integer, got 0" in capsys.readouterr().err
+
+
 def test_generate_rejects_bad_prompt_ids_and_mixed_pairs(capsys):
     with pytest.raises(SystemExit, match="prompt-ids"):
         main(["generate", *TINY, "--prompt-ids", "1 x 3"])

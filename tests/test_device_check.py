@@ -18,7 +18,8 @@ def test_the_quick_device_check_runs_and_every_check_passes(tmp_path):
     assert report["quick"] and report["device"] == "cpu"
     assert all(case["passed"] for case in report["exactness"]), report["exactness"]
     assert any(case["case"].startswith("negative control") for case in report["exactness"])
-    assert report["greedy"]["identical"]
+    assert report["greedy"]["identical"] and report["greedy"]["tree_identical"]
+    assert any(case["case"].startswith("tree of 6") for case in report["exactness"])
     assert {run["oracle_acceptance"] for run in report["oracle"]} == {1.0, 0.8}
     perfect = next(run for run in report["oracle"] if run["oracle_acceptance"] == 1.0)
     assert perfect["measured_acceptance"] == 1.0 and perfect["identical_to_target_only"]

@@ -400,6 +400,7 @@ def test_sampling_with_a_head_tree_follows_the_target_law(small_pair, sharp_head
     small = small_pair[0]
     samples = sample_head_trees(small, HeadTreeDrafter(sharp_head, branching=3, width=1), case, seed=3)
     result = fit_sequences(samples, exact_law(small, *TREE_CASES[case]))
+    print("head tree", case, result)
     assert result.is_consistent, result
 
 
@@ -414,4 +415,5 @@ def test_negative_control_head_tree_children_reported_as_iid_are_caught(small_pa
     small = small_pair[0]
     samples = sample_head_trees(small, HeadTreeDrafter(sharp_head, branching=3, width=1), "plain", seed=4)
     result = fit_sequences(samples, exact_law(small, *TREE_CASES["plain"]))
+    print("negative control, head tree children reported as i.i.d.:", result)
     assert not result.is_consistent, result

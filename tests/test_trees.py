@@ -16,9 +16,9 @@ from transformers import LogitsProcessorList
 
 import hf_spec.drafting.branching
 from hf_spec import speculative
+from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter, continuations, heaviest_subtree
-from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.tree import DraftTree
 from hf_spec.drafting.tree_size import AutoTreeSize
 from hf_spec.evaluation.exactness import exact_law

@@ -10,7 +10,7 @@ import torch
 from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.cli.common import load_models
+from hf_spec.cli.common import load_models, positive_int
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -28,9 +28,17 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--num-tree-nodes", type=_tree_nodes, default=None,
+                        help="draft a tree of at most this many tokens per round, at most -k deep ('auto': the "
+                             "budget and branching chosen every round; default: a chain of k)")
     parser.add_argument("--compare", action="store_true", help="also time target-only generate, same settings")
     parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
     parser.set_defaults(run=run)
+
+
+def _tree_nodes(text: str) -> int | str:
+    """argparse type of ``--num-tree-nodes``: a positive integer or ``auto``."""
+    return text if text == "auto" else positive_int(text)
 
 
 class _IdStreamer(BaseStreamer):
@@ -83,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     output = target.generate(
         **inputs, assistant_model=draft, num_assistant_tokens=args.num_assistant_tokens, streamer=streamer,
-        generator=torch.Generator().manual_seed(args.seed), return_dict_in_generate=True, **settings,
+        num_tree_nodes=args.num_tree_nodes, generator=torch.Generator().manual_seed(args.seed),
+        return_dict_in_generate=True, **settings,
     )
     speculative_seconds = time.perf_counter() - started
     stats = output.speculative_stats
