@@ -78,7 +78,7 @@ class FixedDraftLength:
 
 
 @dataclasses.dataclass
-class _Mean:
+class DecayedMean:
     """A mean with exponential forgetting: each new value weighs ``1 - decay`` of the total once warmed up."""
 
     decay: float
@@ -120,16 +120,16 @@ class AutoDraftLength:
             raise ValueError(f"`decay` must be in (0, 1], but is {decay!r}.")
         self.max_draft_tokens, self.initial = max_draft_tokens, min(initial, max_draft_tokens)
         self.prior_acceptance, self.prior_weight, self.explore_every = prior_acceptance, prior_weight, explore_every
-        self._accepted = [_Mean(decay) for _ in range(max_draft_tokens)]  # per position: P(accepted | reached)
-        self._draft_step = _Mean(decay)
-        self._block = {}  # block size -> _Mean of seconds
+        self._accepted = [DecayedMean(decay) for _ in range(max_draft_tokens)]  # per position: P(accepted | reached)
+        self._draft_step = DecayedMean(decay)
+        self._block = {}  # block size -> DecayedMean of seconds
         self._decay = decay
         self._rounds_without_draft = 0
         self._explore_wait = explore_every  # grows while explorations leave k at 0
         self._is_exploring = False
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 throughout
         # tokens per second of steady rounds that drafted, or not: decayed token sums over decayed second sums
-        self._rate = {True: _Mean(decay), False: _Mean(decay)}
+        self._rate = {True: DecayedMean(decay), False: DecayedMean(decay)}
         self._was_drafting = False
         self.has_costs = False
         self.chosen: list[int] = []  # k of every round, in order (across calls when reused)
@@ -140,7 +140,7 @@ class AutoDraftLength:
             self._draft_step.add(costs.draft_step_seconds, weight)
         for size, seconds in costs.target_block_seconds.items():
             if size <= self._max_block_size():
-                self._block.setdefault(size, _Mean(self._decay)).add(seconds, weight)
+                self._block.setdefault(size, DecayedMean(self._decay)).add(seconds, weight)
         self.has_costs = True
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0
@@ -222,7 +222,7 @@ class AutoDraftLength:
                           emitted)
         self._learn_exploration(num_draft_tokens > 0)
 
-    def _learn_costs(self, num_block_tokens: int, draft_step: _Mean, draft_seconds: float, num_model_steps: int,
+    def _learn_costs(self, num_block_tokens: int, draft_step: DecayedMean, draft_seconds: float, num_model_steps: int,
                      verify_seconds: float | None, emitted: float) -> None:
         """A round's timings: a draft pass (into ``draft_step``), the target pass over ``num_block_tokens`` tokens,
         and the tokens per second of steady rounds, drafting or not."""
@@ -230,7 +230,7 @@ class AutoDraftLength:
             return
         if num_model_steps > 0:
             draft_step.add(draft_seconds / num_model_steps)
-        self._block.setdefault(num_block_tokens, _Mean(self._decay)).add(verify_seconds)
+        self._block.setdefault(num_block_tokens, DecayedMean(self._decay)).add(verify_seconds)
         is_drafting = num_block_tokens > 1
         if is_drafting == self._was_drafting:  # steady rounds only: a switch costs the draft a catch-up pass
             seconds = draft_seconds + verify_seconds

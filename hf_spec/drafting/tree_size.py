@@ -25,7 +25,8 @@ import dataclasses
 import heapq
 
 from hf_spec.checks import check_int
-from hf_spec.drafting.draft_length import AutoDraftLength, _Mean
+from hf_spec.drafting.costs import CostTable
+from hf_spec.drafting.draft_length import AutoDraftLength, DecayedMean
 from hf_spec.drafting.tree import DraftTree
 
 #: The node budget most with ``num_tree_nodes="auto"``: the probe measures target passes up to this many + 1 tokens.
@@ -142,11 +143,11 @@ class AutoTreeSize(AutoDraftLength):
             raise ValueError(f"`later_prior` must be in (0, 1), but is {later_prior!r}.")
         self.later_prior = later_prior
         self.shape: tuple[int, int | None] = (1, 1)  # the drafter's (branching, width), set by the loop
-        self._later = [[_Mean(self._decay) for _ in range(MAX_RANKS - 1)] for _ in range(max_depth)]
-        self._tree_step = _Mean(self._decay)  # seconds of a draft pass over a tree level
+        self._later = [[DecayedMean(self._decay) for _ in range(MAX_RANKS - 1)] for _ in range(max_depth)]
+        self._tree_step = DecayedMean(self._decay)  # seconds of a draft pass over a tree level
         self.chosen_branching: list[int] = []
 
-    def start_from(self, costs, weight: float = 4.0) -> None:
+    def start_from(self, costs: CostTable, weight: float = 4.0) -> None:
         super().start_from(costs, weight)
         width = self.shape[1] or 1
         if costs.draft_pass_seconds:
