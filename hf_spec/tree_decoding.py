@@ -79,16 +79,7 @@ def tree_decode(
                                                          drafter.feature_layers)
 
             # 3. Accept a path from the root, then one recovered or bonus token.
-            if context.do_sample:
-                path, next_id = accept_tree(tree.token_ids, tree.parents, tree.draft_probs,
-                                            tree_scores.softmax(dim=-1), generator)
-            else:
-                path, next_id = accept_tree_greedy(tree.token_ids, tree.parents, tree_scores)
-            rows = torch.tensor([-1, *path], device=tree_scores.device) + 1  # score rows along the path
-            path_logits, path_scores = tree_logits[rows][None], tree_scores[rows][None]  # [1, depth + 1, vocab]
-            num_accepted = torch.tensor([len(path)], device=tree_scores.device)
-            read_accepted(num_accepted, tree.is_invalid, path_logits, path_scores)
-            output_ids = torch.cat([tree.token_ids[path], next_id.view(1)])[None]  # [1, depth + 1]
+            path, output_ids, path_logits, path_scores = _accept(tree, tree_logits, tree_scores, context)
             timer.mark_verified()
 
             # 4. Stop exactly where target-only decoding would.
@@ -102,10 +93,7 @@ def tree_decode(
             # 5. Commit: both caches keep the committed prefix and the accepted path's entries, then roll back; a
             #    draft head observes the target's features of the committed tokens fed and of the path.
             if features is not None:
-                num_missing = features.shape[0] - tree.num_nodes
-                fed = torch.tensor([*range(num_missing), *(num_missing + node for node in path)],
-                                   device=features.device)
-                drafter.observe(features[fed][None], start=num_committed - num_missing)
+                _observe_path(drafter, features, tree, path, num_committed)
             keep_tree_path(target_cache, num_committed, path)
             drafter.keep_path(path)
             staying, num_cached = batch.commit(output_ids, [len(path)], num_kept, is_done)
@@ -118,6 +106,31 @@ def tree_decode(
 
     scores, logits = recorder.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
+
+
+def _accept(tree: DraftTree, tree_logits: torch.Tensor, tree_scores: torch.Tensor, context: DraftContext
+            ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The accepted path (node indices), the emitted ids ``[1, depth + 1]`` (the path's tokens, then the recovered or
+    bonus token), and the raw logits and processed scores along the path ``[1, depth + 1, vocab]``, read with the
+    numerical checks of both laws."""
+    if context.do_sample:
+        path, next_id = accept_tree(tree.token_ids, tree.parents, tree.draft_probs, tree_scores.softmax(dim=-1),
+                                    context.generator)
+    else:
+        path, next_id = accept_tree_greedy(tree.token_ids, tree.parents, tree_scores)
+    rows = torch.tensor([-1, *path], device=tree_scores.device) + 1  # score rows along the path
+    path_logits, path_scores = tree_logits[rows][None], tree_scores[rows][None]  # [1, depth + 1, vocab]
+    read_accepted(torch.tensor([len(path)], device=tree_scores.device), tree.is_invalid, path_logits, path_scores)
+    return path, torch.cat([tree.token_ids[path], next_id.view(1)])[None], path_logits, path_scores
+
+
+def _observe_path(drafter: TreeDrafter, features: torch.Tensor, tree: DraftTree, path: list[int],
+                  num_committed: int) -> None:
+    """Hand a draft head the target's features ``[missing + n, F]`` of the committed tokens the verify pass fed and
+    of the accepted path's nodes: the columns they now hold, from ``num_committed - missing`` on."""
+    num_missing = features.shape[0] - tree.num_nodes
+    fed = torch.tensor([*range(num_missing), *(num_missing + node for node in path)], device=features.device)
+    drafter.observe(features[fed][None], start=num_committed - num_missing)
 
 
 def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, tree: DraftTree,
