@@ -4,31 +4,40 @@
     >>> model = speculative(target)  # same object, generate() now speculates exactly
     >>> model.generate(**inputs, assistant_model=draft, do_sample=True, temperature=0.7)
 
-The algorithm sits at the top of the package (mixin, validation, decoding, rejection, rows, caches, forward, stats,
-recording); `hf_spec.drafting` holds the drafters and the choice of k (and of a tree's size). The tools sit in
-folders beside it: `hf_spec.loading` (models), `hf_spec.evaluation` (draft fit, distillation, corpora, the metric),
-`hf_spec.bench`, `hf_spec.cli`. Modules moved there from the top level still import under their old names
-(`hf_spec.moved`).
+The algorithm sits at the top of the package (mixin, plan, validation, decoding, rounds, rejection, rows, caches,
+forward, stats, recording, compat) with `hf_spec.drafting` (the drafters and how much to draft). The tools sit in
+folders beside it and import the algorithm, never the other way round: `hf_spec.heads` (EAGLE-style draft heads),
+`hf_spec.loading` (models, CPU kernels), `hf_spec.evaluation` (draft fit, distillation, texts), `hf_spec.bench`,
+`hf_spec.cli`. The acceptance rule's pure functions are in `hf_spec.rejection`.
 """
 
-from hf_spec import moved
+from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.draft_length import AutoDraftLength
+from hf_spec.drafting.tree import TreeDrafter
 from hf_spec.drafting.tree_size import AutoTreeSize
 from hf_spec.mixin import SpeculativeDecoderOnlyOutput, SpeculativeGenerationMixin, speculative, without_speculation
-from hf_spec.rejection import accept_draft_tokens, accept_greedy, sample_from_weights
 from hf_spec.stats import SpeculativeStats
 
-moved.install()
+__version__ = "0.2.0"
 
 __all__ = [
     "AutoDraftLength",
     "AutoTreeSize",
+    "DraftHead",
+    "Drafter",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
-    "accept_draft_tokens",
-    "accept_greedy",
-    "sample_from_weights",
+    "TreeDrafter",
     "speculative",
     "without_speculation",
 ]
+
+
+def __getattr__(name: str):
+    """`DraftHead` is imported on first use: ``import hf_spec`` loads the algorithm only."""
+    if name == "DraftHead":
+        from hf_spec.heads import DraftHead
+
+        return DraftHead
+    raise AttributeError(f"module 'hf_spec' has no attribute {name!r}")

@@ -1,14 +1,15 @@
-"""The speculative decoding loop: draft, verify, accept, stop, commit and roll back.
+"""The speculative decoding loop: draft, verify, accept, stop, commit and roll back. One loop for chains and trees.
 
-What it does: for a decoder-only target and a drafter that shares its tokenizer, each round drafts ``k`` tokens from
-the drafter's law q, runs the target once over the block to get p at ``k + 1`` positions, keeps the accepted prefix
-plus one recovered or bonus token (`hf_spec.rejection`), stops exactly where target-only decoding would, and rolls
-both caches back (`hf_spec.caches`). The output law equals target-only sampling (or greedy decoding).
+What it does: for a decoder-only target and a drafter that shares its tokenizer, each round drafts tokens from the
+drafter's law q (a chain of k per row, or a tree), runs the target once over them to get p after every drafted token,
+keeps an accepted prefix (or path) plus one recovered or bonus token (`hf_spec.rejection`), stops exactly where
+target-only decoding would, and rolls both caches back (`hf_spec.caches`). The output law equals target-only sampling
+(or greedy decoding). The round's shape, chain or tree, is a strategy object (`hf_spec.rounds`) chosen once per call.
 
 What it does not do: beam search, several return sequences, encoder-decoder models, caches other than
 ``DynamicCache``; these are refused before the loop starts (`hf_spec.validation`). Rows of a batch advance by
 different amounts: `hf_spec.rows` keeps their bookkeeping out of this loop, `hf_spec.recording` keeps scores,
-logits, the streamer and timings, and `hf_spec.drafting.draft_length` chooses k.
+logits, the streamer and timings, and the sizers in `hf_spec.drafting` choose each round's size.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_spec.caches import crop_to, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter
-from hf_spec.drafting.draft_length import AutoDraftLength, FixedDraftLength
-from hf_spec.forward import extend_mask, forward_missing, forward_missing_with_features, has_invalid_values
+from hf_spec.forward import has_invalid_values
 from hf_spec.recording import OutputRecorder, RoundTimer
-from hf_spec.rejection import accept_draft_tokens, accept_greedy
+from hf_spec.rounds import Rounds
 from hf_spec.rows import RaggedBatch
 from hf_spec.stats import SpeculativeStats
-from logits_processors import process_block
 
 
 @dataclasses.dataclass
@@ -42,12 +41,11 @@ class DecodeResult:
 
 def speculative_decode(
     target: PreTrainedModel,
-    drafter: Drafter,
+    rounds: Rounds,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     target_cache,
     *,
-    draft_length: FixedDraftLength | AutoDraftLength,
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
@@ -55,16 +53,15 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
 ) -> DecodeResult:
-    """Generate with the target, speculating a block of draft tokens per round.
+    """Generate with the target, speculating a chain or a tree of draft tokens per round.
 
     Args:
         target: a decoder-only model.
-        drafter: where draft tokens come from (`hf_spec.drafting`), on the target's device and tokenizer.
+        rounds: the round's shape (`hf_spec.rounds.ChainRounds` or `TreeRounds`), holding the drafter (on the
+            target's device and tokenizer) and the sizer that chooses each round's size and learns from it.
         input_ids: ``[batch, prompt]`` the prompts, left-padded.
         attention_mask: ``[batch, prompt]`` or ``None`` when there is no padding.
         target_cache: the target's croppable cache, holding a prefix of ``input_ids`` shorter than all of it.
-        draft_length: chooses k, the tokens drafted in each round (fewer near ``max_length``, or when the drafter
-            has fewer), and learns from each round.
         logits_processor: the chain applied, identically and per position, to draft and target logits.
         stopping_criteria: checked after every emitted token of every row.
         generation_config: read for ``do_sample``, ``max_length``, ``output_scores``, ``output_logits``.
@@ -74,75 +71,52 @@ def speculative_decode(
     """
     stats = SpeculativeStats()
     recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
-    vocab_size = target.config.get_text_config().vocab_size
-    context = DraftContext(logits_processor, vocab_size, generation_config.do_sample, generator)
-    drafter.reset()
+    context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
+                           generation_config.do_sample, generator)
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
+    rounds.start(batch, target_cache)
 
     try:
         while batch.num_active > 0:
+            timer = RoundTimer(synchronize=rounds.is_timed)
             # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
-            k = draft_length.choose(max(0, generation_config.max_length - min(batch.active_lengths()) - 1))
-            timer = RoundTimer(synchronize=draft_length.is_timed)
+            tokens_left = max(0, generation_config.max_length - min(batch.active_lengths()) - 1)
 
-            # 1. Draft up to k tokens, each from the drafter's law q given its own prefix.
-            proposal = drafter.propose(batch, k, context)
-            draft_ids, k = proposal.draft_ids, proposal.num_draft_tokens  # [active, k]
-            timer.mark_drafted(draft_ids)
+            # 1. Draft: a chain or a tree, each token drawn from the drafter's law q given its own prefix.
+            draft = rounds.draft(batch, tokens_left, context)
+            timer.mark_drafted(batch.model_ids.device)
 
-            # 2. Verify: one target pass over the block gives k + 1 raw logits, processed position by position (and
+            # 2. Verify: one target pass gives p after every drafted token, each processed with its own prefix (and
             #    the hidden states a draft head reads).
-            block_logits, block_scores = _verify(target, target_cache, batch, draft_ids, logits_processor, drafter)
+            verified = rounds.verify(target, target_cache, batch, draft, logits_processor)
 
-            # 3. Accept a prefix of each row's draft, then one recovered or bonus token.
-            if context.do_sample:
-                output_ids, num_accepted = accept_draft_tokens(
-                    draft_ids, proposal.draft_probs, block_scores.softmax(dim=-1), generator
-                )
-            else:
-                output_ids, num_accepted = accept_greedy(draft_ids, block_scores)
-            num_accepted = read_accepted(num_accepted, proposal.is_invalid, block_logits, block_scores)
+            # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token.
+            accepted = rounds.accept(draft, verified, context)
+            num_accepted = read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores)
             timer.mark_verified()
 
             # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
-            num_kept, is_done = batch.count_until_stop(stopping_criteria, output_ids, [n + 1 for n in num_accepted])
-            recorder.record(batch.active_list, output_ids, block_scores, block_logits, num_kept)
-            stats.record_round(k, num_accepted, num_kept, batch.active_list, input_ids.shape[0])
-            draft_length.update(k, num_accepted, timer.draft_seconds, proposal.num_model_steps,
-                                None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1 holds the prefill
+            num_kept, is_done = batch.count_until_stop(stopping_criteria, accepted.output_ids,
+                                                       [n + 1 for n in num_accepted])
+            recorder.record(batch.active_list, accepted.output_ids, accepted.scores, accepted.logits, num_kept)
+            num_drafted, depth = rounds.size(draft)
+            stats.record_round(num_drafted, num_accepted, num_kept, batch.active_list, input_ids.shape[0], depth)
+            rounds.learn(draft, accepted, num_accepted, timer.draft_seconds,
+                         None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1 holds the prefill
 
-            # 5. Commit, and roll back: both caches keep the model view's columns but its last; finished rows leave.
-            staying, num_cached = batch.commit(output_ids, num_accepted, num_kept, is_done)
-            roll_back(target_cache, drafter, num_cached, staying)
+            # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the
+            #    model view's columns but its last; finished rows leave.
+            rounds.keep(target_cache, draft, verified, accepted)
+            staying, num_cached = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
+            roll_back(target_cache, rounds.drafter, num_cached, staying)
             stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
     finally:
-        # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed.
-        roll_back(target_cache, drafter, batch.model_ids.shape[1] - 1, None)
+        # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
+        # tree's nodes sit after the committed positions, so the crop drops them too).
+        roll_back(target_cache, rounds.drafter, batch.model_ids.shape[1] - 1, None)
 
     scores, logits = recorder.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
-
-
-def _verify(target: PreTrainedModel, target_cache, batch: RaggedBatch, draft_ids: torch.Tensor,
-            logits_processor: LogitsProcessorList, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(raw logits, processed scores)``, each ``[active, k + 1, vocab]``: one target pass over the tokens its cache
-    lacks plus the block ``draft_ids`` ``[active, k]``, each position processed with its own prefix. A drafter with
-    ``feature_layers`` observes those hidden states of every token fed."""
-    k = draft_ids.shape[1]
-    sequence_ids, mask = torch.cat([batch.model_ids, draft_ids], dim=1), extend_mask(batch.model_mask, k)
-    if drafter.feature_layers is None:
-        block_logits = forward_missing(target, target_cache, sequence_ids, mask, num_logits=k + 1)
-    else:
-        block_logits, features = forward_missing_with_features(target, target_cache, sequence_ids, mask, k + 1,
-                                                               drafter.feature_layers)  # features [active, fed, F]
-        drafter.observe(features, start=sequence_ids.shape[1] - features.shape[1])
-    # block_logits: [active, k + 1, vocab]
-    row_ids, lengths = batch.row_view(draft_ids[:, :0])
-    block_scores = batch.to_active(process_block(
-        logits_processor, row_ids, batch.to_batch(draft_ids, batch.pad_token_id), batch.to_batch(block_logits),
-        lengths,
-    ))  # [active, k + 1, vocab]
-    return block_logits, block_scores
 
 
 def read_accepted(num_accepted: torch.Tensor, is_draft_invalid: torch.Tensor, block_logits: torch.Tensor,

@@ -1,5 +1,6 @@
-"""One forward pass over the tokens a model's cache lacks, shared by the target's verify pass and a draft model; and
-the same pass over a tree of draft tokens, with a tree attention mask."""
+"""The two forward passes of the loop: over the tokens a model's cache lacks (the target's verify pass over a chain, a
+draft model's steps), and over a tree of draft tokens under a tree attention mask. Either can also return the hidden
+states a draft head reads (``feature_layers``)."""
 
 from __future__ import annotations
 
@@ -20,34 +21,34 @@ def forward_missing(
     sequence_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     num_logits: int,
-) -> torch.Tensor:
+    feature_layers: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Feed ``model`` the tokens of ``sequence_ids`` its cache lacks; return the last ``num_logits`` logits.
 
     Args:
         sequence_ids: ``[batch, length]`` the whole sequence; the cache holds a prefix of it.
         attention_mask: ``[batch, length]`` or ``None`` (no padding).
+        feature_layers: hidden states to return as well (indices into transformers' ``output_hidden_states`` tuple;
+            only those are kept), for a draft head; ``None``: none.
 
     Returns:
-        ``[batch, num_logits, vocab]`` float32 logits (a new tensor).
+        ``[batch, num_logits, vocab]`` float32 logits (a new tensor), and the ``feature_layers`` hidden states at every
+        token fed, concatenated, ``[batch, fed, hidden * len(feature_layers)]`` in the model's dtype (``None`` without
+        ``feature_layers``).
     """
-    logits = model(**_missing_inputs(model, cache, sequence_ids, attention_mask, num_logits), use_cache=True).logits
-    return logits[:, -num_logits:].to(dtype=torch.float32, copy=True)
+    inputs = _missing_inputs(model, cache, sequence_ids, attention_mask, num_logits)
+    return _run(model, inputs, num_logits, feature_layers)
 
 
-def forward_missing_with_features(
-    model: PreTrainedModel,
-    cache,
-    sequence_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    num_logits: int,
-    feature_layers: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`forward_missing`, also returning the hidden states ``feature_layers`` selects (indices into transformers'
-    ``output_hidden_states`` tuple; only those are kept) at every token fed, concatenated:
-    ``[batch, fed, hidden * len(feature_layers)]`` in the model's dtype, for a draft head."""
-    output = model(**_missing_inputs(model, cache, sequence_ids, attention_mask, num_logits), use_cache=True,
-                   output_hidden_states=list(feature_layers))
-    features = torch.cat([output.hidden_states[i] for i in feature_layers], dim=-1)  # [batch, fed, F]
+def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
+         feature_layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass: ``(logits [batch, num_logits, vocab] float32, features [batch, fed, F] or None)``."""
+    if feature_layers is None:
+        output = model(**inputs, use_cache=True)
+        features = None
+    else:
+        output = model(**inputs, use_cache=True, output_hidden_states=list(feature_layers))
+        features = torch.cat([output.hidden_states[i] for i in feature_layers], dim=-1)  # [batch, fed, F]
     return output.logits[:, -num_logits:].to(dtype=torch.float32, copy=True), features
 
 
@@ -77,7 +78,8 @@ def forward_tree(
     node_depths: torch.Tensor,
     node_visible: torch.Tensor,
     num_logits: int,
-) -> torch.Tensor:
+    feature_layers: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Feed ``model`` the committed tokens its cache lacks, then tree nodes; return the last ``num_logits`` logits.
 
     The cache holds a prefix of ``sequence_ids``, or all of it followed by nodes fed in earlier passes (never both
@@ -91,33 +93,17 @@ def forward_tree(
         node_ids: ``[m]`` the nodes to feed now.
         node_depths: ``[m]`` int64, their depths (1 for the root's children).
         node_visible: ``[m, fed + m]`` bool, over the nodes already in the cache (in the order fed) and these.
+        feature_layers: as in `forward_missing`; a node's hidden states are the ones it would have as the next token
+            of its own path.
 
     Returns:
         ``[num_logits, vocab]`` float32 logits, the last of those after each missing committed token, then after
-        each node.
+        each node; and the features of every token fed (the missing committed ones, then the nodes),
+        ``[missing + m, F]`` (``None`` without ``feature_layers``).
     """
     inputs = _tree_inputs(model, cache, sequence_ids, attention_mask, node_ids, node_depths, node_visible, num_logits)
-    return model(**inputs, use_cache=True).logits[0, -num_logits:].to(dtype=torch.float32, copy=True)
-
-
-def forward_tree_with_features(
-    model: PreTrainedModel,
-    cache,
-    sequence_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    node_ids: torch.Tensor,
-    node_depths: torch.Tensor,
-    node_visible: torch.Tensor,
-    num_logits: int,
-    feature_layers: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`forward_tree`, also returning the hidden states ``feature_layers`` selects at every token fed (the missing
-    committed ones, then the nodes), concatenated: ``[missing + m, hidden * len(feature_layers)]``, for a draft head.
-    A node's hidden states are the ones it would have as the next token of its own path."""
-    inputs = _tree_inputs(model, cache, sequence_ids, attention_mask, node_ids, node_depths, node_visible, num_logits)
-    output = model(**inputs, use_cache=True, output_hidden_states=list(feature_layers))
-    features = torch.cat([output.hidden_states[i][0] for i in feature_layers], dim=-1)  # [missing + m, F]
-    return output.logits[0, -num_logits:].to(dtype=torch.float32, copy=True), features
+    logits, features = _run(model, inputs, num_logits, feature_layers)
+    return logits[0], None if features is None else features[0]
 
 
 def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -183,3 +169,15 @@ def has_invalid_values(scores: torch.Tensor) -> torch.Tensor:
     if every value is -inf; it is finite exactly when the row is usable.
     """
     return ~torch.isfinite(scores.amax(dim=-1)).all()
+
+
+def position_table(model: torch.nn.Module) -> int | None:
+    """Positions a model's learned position embeddings hold (GPT-2's ``wpe``, OPT's ``embed_positions``...), or
+    ``None`` when it has none (rotary or ALiBi positions)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
+            return module.num_embeddings - getattr(module, "offset", 0)
+    return None
+
+
+_POSITION_TABLES = frozenset({"wpe", "embed_positions", "position_embeddings"})

@@ -3,26 +3,18 @@
 transformers routes ``generate(assistant_model=draft)`` and ``generate(prompt_lookup_num_tokens=n)`` to
 ``GenerationMixin._assisted_decoding``. This mixin replaces that one method with `hf_spec.decoding.speculative_decode`
 and adds the checks it needs; every other generation mode (and early-exit or MTP assisted decoding) runs
-transformers' own code unchanged. The drafter (`hf_spec.drafting`) is:
-
-- ``assistant_model=draft``: the draft model;
-- ``prompt_lookup_num_tokens=n`` (with ``max_matching_ngram_size``, default 2): prompt lookup, the exact rule for a
-  point-mass proposal, under greedy decoding and sampling alike;
-- both: prompt lookup when it finds a match, the draft model otherwise (transformers would ignore the draft).
+transformers' own code unchanged. What a call asks for (the drafter: a draft model, a draft head, prompt lookup, a
+`hf_spec.drafting.Drafter` of your own; chains or trees; fixed or automatic sizes) is resolved once by
+`hf_spec.plan.plan_call`, before any forward pass.
 
 Extra ``generate()`` arguments:
 
 - ``generator``: a ``torch.Generator`` for drafting and acceptance (default: torch's global generator, so
   ``torch.manual_seed`` reproduces a run);
-- ``num_assistant_tokens``: k, the draft block length; the call wins over the draft's ``generation_config``, then
-  ``prompt_lookup_num_tokens``. ``"auto"`` chooses k every round from measured acceptance and costs
-  (`hf_spec.drafting.AutoDraftLength`; pass an instance to keep what it learnt across calls).
+- ``num_assistant_tokens``: k, the draft block length, or ``"auto"`` (`hf_spec.AutoDraftLength`; pass an instance to
+  keep what it learnt across calls);
 - ``num_tree_nodes``: draft a tree of at most this many tokens per round instead of a chain, all verified in one
-  target pass (`hf_spec.tree_decoding`; a batch of one row): the draft model or head branches (`ModelTreeDrafter`,
-  `HeadTreeDrafter`), prompt lookup becomes suffix matching with several continuations (`SuffixDrafter`), or a
-  `TreeDrafter` passed as ``assistant_model`` is used. ``num_assistant_tokens`` then caps the tree's depth.
-  ``"auto"`` chooses the budget and branching every round (a chain, or nothing, where that is faster) from measured
-  acceptance and pass costs (`hf_spec.drafting.AutoTreeSize`; pass an instance to keep what it learnt).
+  target pass (a batch of one row); ``"auto"`` chooses the budget and branching every round (`hf_spec.AutoTreeSize`).
 
 With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
 ``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
@@ -45,19 +37,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_spec.caches import fit_prompt, prepare_for_rollback
 from hf_spec.compat import check_generation_hooks, pad_token_tensor
 from hf_spec.decoding import speculative_decode
-from hf_spec.drafting import AutoDraftLength
-from hf_spec.drafting.costs import probe_costs
-from hf_spec.drafting.from_arguments import make_drafter, make_tree_drafter
-from hf_spec.drafting.tree_size import PROBE_BLOCK_SIZES, AutoTreeSize
-from hf_spec.heads.model import DraftHead
+from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, start_sizer, user_settings
+from hf_spec.rounds import Rounds
 from hf_spec.stats import SpeculativeStats
-from hf_spec.tree_decoding import tree_decode
 from hf_spec.validation import (
-    check_tree_nodes,
-    resolve_num_draft_tokens,
-    resolve_prompt_lookup,
-    resolve_tree_size,
-    validate_draft_length_limit,
     validate_generator,
     validate_input_types,
     validate_input_values,
@@ -79,20 +62,22 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     speculative_stats: SpeculativeStats | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class _CallOptions:
-    """The hf_spec arguments of the current ``generate()`` call, which transformers' kwargs handling would reject."""
+@dataclasses.dataclass
+class _Call:
+    """The current ``generate()`` call's hf_spec options, and the plan resolved from them."""
 
-    generator: torch.Generator | None = None
-    num_assistant_tokens: Any = None
-    num_tree_nodes: Any = None
-
-
-_CALL_OPTIONS: contextvars.ContextVar[_CallOptions | None] = contextvars.ContextVar("hf_spec_call", default=None)
+    options: CallOptions
+    rounds: Rounds | None = None
 
 
-def _call_options() -> _CallOptions:
-    return _CALL_OPTIONS.get() or _CallOptions()
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_spec_call", default=None)
+#: Models that run transformers' own assisted decoding in the current context (`without_speculation`), by id.
+_WITHOUT_SPECULATION: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("hf_spec_off",
+                                                                                     default=frozenset())
+
+
+def _current_call() -> _Call:
+    return _CALL.get() or _Call(CallOptions())
 
 
 class SpeculativeGenerationMixin(GenerationMixin):
@@ -107,34 +92,40 @@ class SpeculativeGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None,
-                 num_tree_nodes: int | str | AutoTreeSize | None = None, **kwargs):
+                 num_tree_nodes: Any = None, **kwargs):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
         if num_tree_nodes is not None:
             check_tree_nodes(num_tree_nodes)
+            kwargs["num_tree_nodes"] = num_tree_nodes
+        settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
+        kwargs.pop("num_tree_nodes", None)  # transformers' config would keep it as an unknown entry
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
             # before transformers' own input handling, which fails on these without naming the argument
             validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
                                  kwargs.get("attention_mask"))
-        num_assistant_tokens = kwargs.get("num_assistant_tokens",
-                                          getattr(generation_config, "num_assistant_tokens", None))
-        token = _CALL_OPTIONS.set(_CallOptions(generator=generator, num_assistant_tokens=num_assistant_tokens,
-                                               num_tree_nodes=num_tree_nodes))
+        token = _CALL.set(_Call(CallOptions(generator=generator, settings=settings)))
         try:
             return super().generate(inputs, generation_config, *args, **kwargs)
         finally:
-            _CALL_OPTIONS.reset(token)
+            _CALL.reset(token)
+
+    def _is_speculating(self, assistant_model, generation_config) -> bool:
+        """Whether this call runs hf_spec's loop: a draft or our prompt lookup, and not `without_speculation`."""
+        if id(self) in _WITHOUT_SPECULATION.get():
+            return False
+        return assistant_model is not None or _is_our_prompt_lookup(generation_config)
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         draft = generation_mode_kwargs.get("assistant_model")
-        options = _call_options()
-        if draft is None and not _is_our_prompt_lookup(generation_config):
-            for name in ("generator", "num_tree_nodes"):
-                if getattr(options, name) is not None:
-                    raise ValueError(f"`{name}` is used by speculative decoding only; pass `assistant_model=` (or "
-                                     "`prompt_lookup_num_tokens=`) too.")
+        call = _current_call()
+        if not self._is_speculating(draft, generation_config):
+            if call.options.generator is not None or "num_tree_nodes" in call.options.settings:
+                raise ValueError("`generator` and `num_tree_nodes` are used by speculative decoding only; pass "
+                                 "`assistant_model=` (or `prompt_lookup_num_tokens=`) too.")
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
-        validate_speculative_call(self, draft, generation_config, generation_mode_kwargs, options.num_assistant_tokens)
+        validate_speculative_call(self, generation_config, generation_mode_kwargs)
+        call.rounds = plan_call(draft, generation_config, call.options)
         # transformers' own assistant checks (tokenizer rules of universal assisted decoding) do not apply here.
         others = {key: value for key, value in generation_mode_kwargs.items() if key != "assistant_model"}
         return super()._validate_generation_mode(generation_mode, generation_config, others)
@@ -153,66 +144,26 @@ class SpeculativeGenerationMixin(GenerationMixin):
         tokenizer=None,
         **model_kwargs,
     ):
-        if assistant_model is None and not _is_our_prompt_lookup(generation_config):  # early exit, MTP: transformers'
-            return super()._assisted_decoding(
+        call = _current_call()
+        if not self._is_speculating(assistant_model, generation_config) or call.rounds is None:
+            return super()._assisted_decoding(  # early exit, MTP, `without_speculation`: transformers'
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
                 streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
                 assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
             )
+        rounds = call.rounds
         target_cache, pad_token_id = self._check_assisted_call(input_ids, generation_config, synced_gpus, streamer,
-                                                               assistant_model, logits_processor, model_kwargs)
-        options = _call_options()
-        prompt_lookup_num_tokens, ngram_size = resolve_prompt_lookup(generation_config)
-        if options.num_tree_nodes is not None:
-            return self._tree_decoding(input_ids, target_cache, pad_token_id, assistant_model,
-                                       prompt_lookup_num_tokens, ngram_size, logits_processor, stopping_criteria,
-                                       generation_config, streamer, model_kwargs)
-        draft_length = resolve_num_draft_tokens(options.num_assistant_tokens, assistant_model, prompt_lookup_num_tokens)
-        if isinstance(draft_length, AutoDraftLength) and not draft_length.has_costs:
-            # measured once per process and models: auto k starts from the costs instead of exploring
-            # (a draft head's cost is learnt from the rounds: it needs the target's features to run)
-            is_model = isinstance(assistant_model, PreTrainedModel) and not isinstance(assistant_model, DraftHead)
-            draft_model = assistant_model if is_model else None
-            draft_length.start_from(probe_costs(self, draft_model, draft_length.max_draft_tokens))
+                                                               rounds, logits_processor, model_kwargs)
+        start_sizer(self, rounds, generation_config.max_length - input_ids.shape[1])
         result = speculative_decode(
-            self,
-            make_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size),
-            input_ids,
-            model_kwargs.get("attention_mask"),
-            target_cache,
-            draft_length=draft_length,
-            logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria,
-            generation_config=generation_config,
-            pad_token_id=pad_token_id,
-            generator=options.generator,
-            streamer=streamer,
-        )
-        return _generate_output(self, result, generation_config, target_cache, input_ids.shape[0])
-
-    def _tree_decoding(self, input_ids, target_cache, pad_token_id, assistant_model,
-                       prompt_lookup_num_tokens, ngram_size, logits_processor, stopping_criteria, generation_config,
-                       streamer, model_kwargs):
-        """``num_tree_nodes`` given: the tree loop, with the drafter's tree form."""
-        options = _call_options()
-        tree_size = resolve_tree_size(options.num_tree_nodes, options.num_assistant_tokens, prompt_lookup_num_tokens)
-        drafter = make_tree_drafter(assistant_model, prompt_lookup_num_tokens, ngram_size)
-        if isinstance(tree_size, AutoTreeSize) and not tree_size.has_costs:
-            # measured once per process and models, passes of up to max_nodes + 1 tokens (a head: learnt online)
-            is_model = isinstance(assistant_model, PreTrainedModel) and not isinstance(assistant_model, DraftHead)
-            tree_size.shape = drafter.growth
-            sizes = (*(size for size in PROBE_BLOCK_SIZES if size <= tree_size.max_nodes), tree_size.max_nodes + 1)
-            tree_size.start_from(probe_costs(self, assistant_model if is_model else None, tree_size.max_nodes,
-                                             block_sizes=sizes, draft_widths=(1, drafter.growth[1] or 1)))
-        result = tree_decode(
-            self, drafter, input_ids, model_kwargs.get("attention_mask"), target_cache, tree_size=tree_size,
+            self, rounds, input_ids, model_kwargs.get("attention_mask"), target_cache,
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, pad_token_id=pad_token_id, generator=options.generator,
+            generation_config=generation_config, pad_token_id=pad_token_id, generator=call.options.generator,
             streamer=streamer,
         )
-        return _generate_output(self, result, generation_config, target_cache, input_ids.shape[0])
+        return _generate_output(result, generation_config, target_cache, input_ids.shape[0])
 
-    def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, assistant_model,
+    def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, rounds: Rounds,
                              logits_processor, model_kwargs):
         """``(target cache, pad id)`` once everything the loop cannot do exactly has been refused by name."""
         if synced_gpus:
@@ -230,21 +181,27 @@ class SpeculativeGenerationMixin(GenerationMixin):
         attention_mask = model_kwargs.get("attention_mask")
         validate_input_types(input_ids, attention_mask)
         validate_input_values(input_ids, attention_mask, self.config.get_text_config().vocab_size)
-        validate_generator(_call_options().generator, self)
-        validate_draft_length_limit(assistant_model, generation_config.max_length)
+        validate_generator(_current_call().options.generator, self)
+        rounds.drafter.check(self, generation_config.max_length)
         check_processors(logits_processor)
         target_cache = model_kwargs["cache"]
         prepare_for_rollback(target_cache, "cache")
         fit_prompt(target_cache, input_ids.shape[1])
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
 
+    def __reduce__(self):
+        """Pickled as the original class's object, made speculative again when loaded (`torch.save` too)."""
+        return _unpickle_speculative, (type(self).__bases__[1],), self.__getstate__()
 
-def _generate_output(target: PreTrainedModel, result, generation_config, target_cache, batch_size: int):
+
+def _unpickle_speculative(model_class: type) -> PreTrainedModel:
+    return _speculative_class(model_class).__new__(_speculative_class(model_class))
+
+
+def _generate_output(result, generation_config, target_cache, batch_size: int):
     """What generate() returns: the sequences, or transformers' output with the statistics."""
     if not generation_config.return_dict_in_generate:
         return result.sequences
-    if batch_size > 1:
-        _warn_no_batched_cache()
     return SpeculativeDecoderOnlyOutput(
         sequences=result.sequences,
         scores=result.scores,
@@ -258,7 +215,9 @@ def speculative(model: PreTrainedModel) -> PreTrainedModel:
     """Give ``model`` exact speculative decoding; returns the same object (weights untouched), idempotently.
 
     The model's class is swapped for a subclass that mixes in `SpeculativeGenerationMixin` and keeps the original
-    class name, so ``save_pretrained`` and ``config.architectures`` are unaffected.
+    class name, so ``save_pretrained`` and ``config.architectures`` are unaffected; ``pickle`` and ``torch.save``
+    give a speculative model back. A model reloaded with ``from_pretrained`` is a plain transformers model: wrap it
+    again.
     """
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
         raise TypeError(f"`model` must be a transformers generative PreTrainedModel, but is {type(model).__name__}.")
@@ -284,26 +243,16 @@ def without_speculation(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
         >>> with without_speculation(model):
         ...     model.generate(**inputs, assistant_model=draft)  # transformers' assisted generation
+
+    It holds for the current thread (and asyncio task) only: other threads using the same model keep speculating.
     """
-    speculative_class = type(model)
     if not isinstance(model, SpeculativeGenerationMixin):
-        raise TypeError(f"`model` is not speculative (its class is {speculative_class.__name__}); see `speculative`.")
-    model.__class__ = speculative_class.__bases__[1]  # bases: (SpeculativeGenerationMixin, the original class)
+        raise TypeError(f"`model` is not speculative (its class is {type(model).__name__}); see `speculative`.")
+    token = _WITHOUT_SPECULATION.set(_WITHOUT_SPECULATION.get() | {id(model)})
     try:
         yield model
     finally:
-        model.__class__ = speculative_class
-
-
-@functools.cache
-def _warn_no_batched_cache() -> None:
-    """Once per process: why ``cache`` is ``None`` for batches."""
-    logger.warning(
-        "speculative generate() returns `cache=None` for a batch of several rows: its caches dropped the rows that "
-        "finished and keep masked holes where rows rejected drafts, so they do not line up with `sequences`. To "
-        "continue, call generate() again with the returned sequences (and their attention mask). Batches of one row "
-        "get their cache back."
-    )
+        _WITHOUT_SPECULATION.reset(token)
 
 
 @functools.cache

@@ -73,9 +73,9 @@ class RoundTimer:
         self.synchronize = synchronize
         self.started = self.drafted = self.verified = time.perf_counter()
 
-    def mark_drafted(self, draft_ids: torch.Tensor) -> None:
-        if self.synchronize and draft_ids.device.type == "cuda":
-            torch.cuda.synchronize(draft_ids.device)
+    def mark_drafted(self, device: torch.device) -> None:
+        if self.synchronize and device.type == "cuda":
+            torch.cuda.synchronize(device)
         self.drafted = time.perf_counter()
 
     def mark_verified(self) -> None:

@@ -9,121 +9,20 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
-from hf_spec.checks import check_int, is_int_at_least
-from hf_spec.drafting.base import Drafter
-from hf_spec.drafting.draft_length import (
-    DEFAULT_MAX_DRAFT_TOKENS,
-    DEFAULT_NUM_DRAFT_TOKENS,
-    AutoDraftLength,
-    FixedDraftLength,
-)
-from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
-from hf_spec.heads.model import DraftHead
-
 #: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
 SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
 
 
-def resolve_num_draft_tokens(
-    call_value: Any, draft: PreTrainedModel | None, prompt_lookup_num_tokens: int | None = None
-) -> FixedDraftLength | AutoDraftLength:
-    """How k is chosen: ``num_assistant_tokens`` from the call, else from the draft's generation config, else
-    ``prompt_lookup_num_tokens``, else the default (`DEFAULT_NUM_DRAFT_TOKENS`).
+def validate_speculative_call(target: PreTrainedModel, generation_config: GenerationConfig,
+                              generation_mode_kwargs: dict[str, Any]) -> None:
+    """Refuse what the speculative loop cannot do exactly, before any forward pass (the drafter checks itself:
+    `hf_spec.drafting.base.Drafter.check`).
 
-    ``"auto"`` makes a new `AutoDraftLength` (at most ``prompt_lookup_num_tokens`` tokens with prompt lookup); an
-    `AutoDraftLength` instance is used as is, keeping what it learnt in earlier calls. transformers reads
-    ``num_assistant_tokens`` only from the draft's config; here the call wins.
+    May set ``generation_config.do_sample = False`` when ``temperature == 0`` (documented: greedy decoding).
     """
-    value = call_value
-    if value is None and isinstance(draft, PreTrainedModel):
-        value = getattr(getattr(draft, "generation_config", None), "num_assistant_tokens", None)
-    if value is None:
-        value = prompt_lookup_num_tokens
-    if value is None:
-        return FixedDraftLength(DEFAULT_NUM_DRAFT_TOKENS)
-    if isinstance(value, AutoDraftLength):
-        return value
-    if value == "auto":
-        return AutoDraftLength(max_draft_tokens=prompt_lookup_num_tokens or DEFAULT_MAX_DRAFT_TOKENS)
-    if not is_int_at_least(value, 1):
-        raise ValueError(
-            f"`num_assistant_tokens` (the draft block length k) must be a positive integer, 'auto' or an "
-            f"AutoDraftLength, but is {value!r} ({type(value).__name__})."
-        )
-    return FixedDraftLength(int(value))
-
-
-def resolve_tree_size(num_tree_nodes: Any, num_assistant_tokens: Any,
-                      prompt_lookup_num_tokens: int | None) -> FixedTreeSize | AutoTreeSize:
-    """How each round's tree is sized: ``num_tree_nodes`` nodes at most (an integer), or ``"auto"`` (a new
-    `AutoTreeSize`; an instance is used as is, keeping what it learnt). The depth limit is ``num_assistant_tokens``,
-    else ``prompt_lookup_num_tokens``, else the node budget (``"auto"``: `DEFAULT_MAX_DRAFT_TOKENS`)."""
-    if isinstance(num_tree_nodes, AutoTreeSize):
-        return num_tree_nodes
-    depth = num_assistant_tokens if is_int_at_least(num_assistant_tokens, 1) else prompt_lookup_num_tokens
-    if num_tree_nodes == "auto":
-        if num_assistant_tokens not in (None, "auto") and not is_int_at_least(num_assistant_tokens, 1):
-            raise ValueError(f"`num_assistant_tokens` caps a tree's depth: a positive integer, 'auto' or unset, "
-                             f"but is {num_assistant_tokens!r}.")
-        return AutoTreeSize(max_depth=depth or DEFAULT_MAX_DRAFT_TOKENS)
-    if num_assistant_tokens is not None and not is_int_at_least(num_assistant_tokens, 1):
-        raise ValueError(
-            f"`num_assistant_tokens` is {num_assistant_tokens!r}; with a fixed `num_tree_nodes` it caps the tree's "
-            "depth and must be a positive integer. Pass `num_tree_nodes='auto'` to let the tree's size and depth "
-            "follow measured acceptance and costs."
-        )
-    check_tree_nodes(num_tree_nodes)
-    return FixedTreeSize(num_tree_nodes, depth or num_tree_nodes)
-
-
-def check_tree_nodes(num_tree_nodes: Any) -> None:
-    """``num_tree_nodes`` must be a positive integer, ``"auto"`` or an `AutoTreeSize`."""
-    if not (is_int_at_least(num_tree_nodes, 1) or isinstance(num_tree_nodes, AutoTreeSize)
-            or (isinstance(num_tree_nodes, str) and num_tree_nodes == "auto")):
-        raise ValueError(f"`num_tree_nodes` (draft tokens per tree) must be a positive integer, 'auto' or an "
-                         f"AutoTreeSize, but is {num_tree_nodes!r} ({type(num_tree_nodes).__name__}).")
-
-
-def resolve_prompt_lookup(generation_config: GenerationConfig) -> tuple[int | None, int]:
-    """``(prompt_lookup_num_tokens or None, max_matching_ngram_size)``, validated (transformers' default n-gram: 2)."""
-    num_tokens = generation_config.prompt_lookup_num_tokens
-    ngram = generation_config.max_matching_ngram_size
-    if num_tokens is not None:
-        check_int("prompt_lookup_num_tokens", num_tokens)
-    return num_tokens, 2 if ngram is None else check_int("max_matching_ngram_size", ngram)
-
-
-def validate_speculative_call(
-    target: PreTrainedModel,
-    draft: Any,
-    generation_config: GenerationConfig,
-    generation_mode_kwargs: dict[str, Any],
-    num_assistant_tokens: Any,
-) -> None:
-    """Refuse what the speculative loop cannot do exactly, before any forward pass.
-
-    ``draft`` is ``None`` for prompt lookup alone, or a `hf_spec.drafting.Drafter` of your own. May set
-    ``generation_config.do_sample = False`` when ``temperature == 0`` (documented: greedy decoding).
-    """
-    if draft is not None and not isinstance(draft, (PreTrainedModel, Drafter)):
-        raise TypeError(f"`assistant_model` must be a transformers PreTrainedModel or an hf_spec Drafter, but is "
-                        f"{type(draft).__name__}.")
-    if isinstance(draft, Drafter):
-        draft = None  # a drafter of your own: nothing model-shaped to check
-    if isinstance(draft, DraftHead):
-        draft.check_target(target)
-    prompt_lookup_num_tokens, _ = resolve_prompt_lookup(generation_config)
-    resolve_num_draft_tokens(num_assistant_tokens, draft, prompt_lookup_num_tokens)
-    for name, model in (("model", target), ("assistant_model", draft)):
-        if model is not None and model.config.is_encoder_decoder:
-            raise ValueError(
-                f"hf_spec supports decoder-only models; `{name}` ({type(model).__name__}) is an encoder-decoder model."
-            )
-    if draft is not None and draft.device != target.device:
-        raise ValueError(
-            f"`assistant_model` is on {draft.device} but the model is on {target.device}; move the draft to the "
-            f"target's (first) device, e.g. `assistant_model.to({str(target.device)!r})`."
-        )
+    if target.config.is_encoder_decoder:
+        raise ValueError(f"hf_spec supports decoder-only models; `model` ({type(target).__name__}) is an "
+                         "encoder-decoder model.")
     base_mode = generation_config.get_generation_mode()
     # prompt lookup turns greedy and sampling into assisted generation, and only those
     if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
@@ -244,28 +143,3 @@ def validate_generator(generator: torch.Generator | None, model: PreTrainedModel
     if generator is not None and generator.device.type != model.device.type:
         raise ValueError(f"`generator` draws on {generator.device}, but the model runs on {model.device}: create it "
                          f"there, e.g. torch.Generator({str(model.device)!r}).manual_seed(seed).")
-
-
-def validate_draft_length_limit(draft: PreTrainedModel | None, max_length: int) -> None:
-    """Refuse, before the first round, a draft whose learned position table is shorter than the longest sequence the
-    call may reach (models with rotary or ALiBi positions have no such limit)."""
-    if not isinstance(draft, PreTrainedModel):
-        return
-    table = _position_table(draft)
-    if table is not None and max_length > table:
-        raise ValueError(
-            f"`assistant_model` has a table of {table} learned positions, but this call may reach {max_length} "
-            "tokens (prompt + max_new_tokens); lower `max_new_tokens` or use a draft with a longer context."
-        )
-
-
-def _position_table(model: PreTrainedModel) -> int | None:
-    """Positions a model's learned position embeddings hold (GPT-2's ``wpe``, OPT's ``embed_positions``...), or
-    ``None`` when it has none."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
-            return module.num_embeddings - getattr(module, "offset", 0)
-    return None
-
-
-_POSITION_TABLES = frozenset({"wpe", "embed_positions", "position_embeddings"})

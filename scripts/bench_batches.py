@@ -16,7 +16,7 @@ import time
 import torch
 
 from hf_spec import speculative
-from hf_spec.evaluation.corpora import humaneval_prompts
+from hf_spec.loading.corpora import humaneval_prompts
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
 

@@ -38,11 +38,12 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import hf_spec
-import hf_spec.decoding
+import hf_spec.rounds
 import hf_spec.rejection
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import machine_info
 from hf_spec.drafting.costs import measure_costs, synchronize
+from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.oracle import OracleDrafter
 from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 from hf_spec.evaluation.exactness import exact_law, fit_sequences
@@ -77,7 +78,7 @@ def main() -> None:
         for name in (target_name, draft_name):
             models.setdefault(name, random_model(shapes[name], device))
         target, draft = speculative(models[target_name]), models[draft_name]
-        costs = measure_costs(target, draft, random_ids(target, 1, 128 if not quick else 16, device),
+        costs = measure_costs(target, ModelDrafter(draft), random_ids(target, 1, 128 if not quick else 16, device),
                               [2, 4, 6, 8, 16, 32], repeats=5 if not quick else 2)
         report["costs"].append({"target": target_name, "draft": draft_name, **dataclasses.asdict(costs),
                                 "cost_ratio": costs.cost_ratio})
@@ -147,12 +148,12 @@ def check_exactness(device: torch.device, quick: bool) -> list[dict]:
     fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3}, prompt, 3))
     results.append({"case": "tree of 6 draft-model nodes, depth 3, one row", "prompt": [1, 3, 2],
                     **dataclasses.asdict(fit), "passed": fit.is_consistent})
-    original = hf_spec.decoding.accept_draft_tokens
-    hf_spec.decoding.accept_draft_tokens = _resample_from_p
+    original = hf_spec.rounds.accept_draft_tokens
+    hf_spec.rounds.accept_draft_tokens = _resample_from_p
     try:  # the negative control: resampling from p instead of the residual must be caught
         samples = sample_rows(target, draft, {}, 2, [[1, 3, 2]], num_samples, device, seed=99)[0]
     finally:
-        hf_spec.decoding.accept_draft_tokens = original
+        hf_spec.rounds.accept_draft_tokens = original
     fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3},
                                            torch.tensor([[1, 3, 2]], device=device), 3))
     results.append({"case": "negative control: resample from p (must fail)", "prompt": [1, 3, 2],

@@ -17,7 +17,7 @@ import torch
 
 from hf_spec import without_speculation
 from hf_spec.bench.measure import machine_info
-from hf_spec.evaluation.corpora import humaneval_prompts
+from hf_spec.loading.corpora import humaneval_prompts
 from hf_spec.loading.pair import load_pair
 
 

@@ -1,22 +1,28 @@
-"""Shared fixtures: tiny random-weight Llama models (milliseconds per forward) and one thread per test process."""
+"""Shared fixtures: tiny random-weight Llama models (milliseconds per forward) and one thread per test process.
+
+Helpers that are not fixtures are in ``helpers.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_noisy_copy, make_tiny_model, small_target_model
 
 from hf_spec import speculative
-from hf_spec.loading.tiny import build_tiny_model, noisy_copy
 
 torch.set_num_threads(1)
 
 
-def make_tiny_model(seed: int, vocab_size: int = 16, num_layers: int = 2, head_scale: float = 6.0):
-    """A random Llama (`hf_spec.loading.tiny`); the LM head is scaled so its laws are peaked and differ by seed."""
-    return build_tiny_model(seed, vocab_size=vocab_size, num_layers=num_layers, head_scale=head_scale)
+@pytest.fixture(scope="session")
+def small_target():
+    """The statistical tests' target (`helpers.small_target_model`), speculative."""
+    return speculative(small_target_model())
 
 
-make_noisy_copy = noisy_copy  # a draft close to a model: its weights plus Gaussian noise
+@pytest.fixture(scope="session")
+def small_draft(small_target):
+    """Close enough to the small target for about 50% acceptance: both acceptance and rejection paths run."""
+    return make_noisy_copy(small_target, seed=12, noise=1.0)
 
 
 @pytest.fixture(scope="session")

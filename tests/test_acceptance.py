@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
+from helpers import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
 from hf_spec.drafting.speedup import expected_tokens
 from hf_spec.evaluation.continuations import target_continuations
-from hf_spec.evaluation.corpora import load_texts
 from hf_spec.evaluation.draft_fit import (
     METRIC_PATH,
     acceptance_probability,
@@ -21,6 +20,7 @@ from hf_spec.evaluation.draft_fit import (
     measure_draft,
     total_variation,
 )
+from hf_spec.loading.corpora import load_texts
 
 evaluate = pytest.importorskip("evaluate")
 
@@ -159,7 +159,7 @@ def test_acceptance_is_reported_by_position_too(pair):
 
 
 def test_humaneval_solutions_are_each_prompt_and_its_canonical_solution():
-    from hf_spec.evaluation.corpora import humaneval_problems
+    from hf_spec.loading.corpora import humaneval_problems
 
     problems = humaneval_problems()
     texts = load_texts("humaneval-solutions", offset=0, count=100)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_stopping import letters_tokenizer
+from helpers import letters_tokenizer, make_tiny_model
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 

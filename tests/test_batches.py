@@ -8,19 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_stopping import letters_tokenizer
-
-PAD = 0
-PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3], [5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4,
-           5, 9, 0, 4, 5, 2, 3, 5, 3]]  # lengths 3, 7, 12, 20
-
-
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+from helpers import PAD, PROMPTS, left_padded, letters_tokenizer, make_tiny_model
 
 
 def forced_rejection_draft(greedy_rows: list[torch.Tensor], reject_at: list[set[int]], vocab_size: int):

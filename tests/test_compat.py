@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 from transformers import (
     GenerationConfig,
     LogitsProcessorList,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_tiny_model
-from test_batches import PAD, PROMPTS, left_padded
+from helpers import PAD, PROMPTS, left_padded, make_tiny_model
 
 from hf_spec import without_speculation
 from hf_spec.drafting.oracle import OracleDrafter

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
+from helpers import make_noisy_copy, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_spec import speculative

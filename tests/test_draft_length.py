@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
+from helpers import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
@@ -94,7 +94,7 @@ def test_explorations_fade_where_blocks_are_too_expensive_even_for_a_good_draft(
 def test_auto_explores_after_rounds_without_drafting():
     chooser = AutoDraftLength(explore_every=4)
     simulate(chooser, 0.0, 0.5, 0.0, rounds=60, seed=4)
-    assert 0 in chooser.chosen[10:] and 1 in chooser.chosen[10:]
+    assert 0 in list(chooser.chosen)[10:] and 1 in list(chooser.chosen)[10:]
 
 
 @pytest.mark.parametrize("kwargs, message", [

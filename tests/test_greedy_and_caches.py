@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 
 import hf_spec.decoding
 

@@ -10,18 +10,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model
-from goodness_of_fit import fit_sequences
-from test_exactness import BanSuccessorOfLastToken, exact_law, with_length
+from helpers import BanSuccessorOfLastToken, exact_law, make_tiny_model, with_length
 from transformers import AutoModel, LogitsProcessorList
 
 import hf_spec.drafting.branching
-import hf_spec.drafting.head
+import hf_spec.heads.drafter
 from hf_spec import speculative, without_speculation
-from hf_spec.drafting.head import HeadDrafter, HeadTreeDrafter
 from hf_spec.drafting.tree import path_to
+from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.head_training import evaluate_head, feature_dataset, train_head
 from hf_spec.heads import DraftHead
-from hf_spec.heads.training import evaluate_head, feature_dataset, train_head
+from hf_spec.heads.drafter import HeadDrafter, HeadTreeDrafter
 
 LAYER_CHOICES = {"eagle1": [-1], "eagle3": [0, 1, -1]}
 
@@ -191,13 +190,13 @@ def test_negative_control_laws_without_the_processor_chain_are_caught(small_pair
     """Broken: tokens are drawn from the processed law, but q is reported as the head's raw softmax (the chain
     forgotten in q)."""
     small, head = small_pair
-    original = hf_spec.drafting.head.draw_next
+    original = hf_spec.heads.drafter.draw_next
 
     def raw_law(logits, batch, draft_ids, context):
         next_ids, probs, is_invalid = original(logits, batch, draft_ids, context)
         return next_ids, None if probs is None else F.softmax(logits, dim=-1), is_invalid
 
-    monkeypatch.setattr(hf_spec.drafting.head, "draw_next", raw_law)
+    monkeypatch.setattr(hf_spec.heads.drafter, "draw_next", raw_law)
     result = fit_sequences(sample_with_head(small, head, seed=2),
                            exact_law(small, SETTINGS, [BanSuccessorOfLastToken()]))
     assert not result.is_consistent, result

@@ -1,8 +1,8 @@
-"""The package's shape: the algorithm never imports the tools, old import paths still work, lines stay short.
+"""The package's shape: the algorithm never imports the tools, packages import in one direction, lines stay short.
 
-The algorithm is the top of ``hf_spec/`` and ``hf_spec/drafting/``; the tools are ``loading``, ``evaluation``,
-``bench`` and ``cli``. A reader can then take the loop without the tools, and a change to a tool cannot change what
-the loop computes.
+The algorithm is the top of ``hf_spec/``, ``hf_spec/drafting/`` and ``logits_processors/``; the tools are ``heads``,
+``loading``, ``evaluation``, ``bench`` and ``cli``, which import the algorithm and each other in that order only. A
+reader can then take the loop without the tools, and a change to a tool cannot change what the loop computes.
 """
 
 from __future__ import annotations
@@ -12,18 +12,23 @@ import importlib
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 import hf_spec
-from hf_spec.moved import MOVED
 
 ROOT = Path(hf_spec.__file__).parent
-TOOLS = ("hf_spec.loading", "hf_spec.evaluation", "hf_spec.bench", "hf_spec.cli")
-ALGORITHM = sorted(path for path in [*ROOT.glob("*.py"), *(ROOT / "drafting").glob("*.py")]
-                   if path.name != "__main__.py")  # ``python -m hf_spec`` is the command line's entry point
+#: The tool packages, each allowed to import only the algorithm and the tools before it.
+TOOLS = ("heads", "loading", "evaluation", "bench", "cli")
+ENTRY_POINTS = {"__main__.py"}  # ``python -m hf_spec`` is the command line's entry point
+ALGORITHM = sorted(path for path in [*ROOT.glob("*.py"), *(ROOT / "drafting").glob("*.py"),
+                                     *(ROOT.parent / "logits_processors").glob("*.py")]
+                   if path.name not in ENTRY_POINTS)
+
+
+#: The one import of a tool by the algorithm's files: the facade's lazy ``hf_spec.DraftHead`` (not run at import).
+FACADE, LAZY_EXPORTS = ROOT / "__init__.py", {"hf_spec.heads", "hf_spec.heads.DraftHead"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -35,42 +40,120 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return names - LAZY_EXPORTS if path == FACADE else names
 
 
-@pytest.mark.parametrize("path", ALGORITHM, ids=lambda path: str(path.relative_to(ROOT)))
+def package_of(module: str) -> str | None:
+    """``"core"`` for the algorithm, a tool's name, or ``None`` outside hf_spec."""
+    parts = module.split(".")
+    if parts[0] == "logits_processors":
+        return "core"
+    if parts[0] != "hf_spec":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in TOOLS else "core"
+
+
+def package_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Package -> the packages its modules import (``files``: module name -> path)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        source = package_of(module)
+        for name in imported_modules(path):
+            target = package_of(name)
+            if target is not None and target != source:
+                graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the directed graph, as the list of its nodes, or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for successor in sorted(graph.get(node, ())):
+            if state.get(successor) == 1:
+                return [*path[path.index(successor):], successor]
+            if successor not in state:
+                found = visit(successor, [*path, successor])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def package_files() -> dict[str, Path]:
+    files = {}
+    for path in [*ROOT.rglob("*.py"), *(ROOT.parent / "logits_processors").rglob("*.py")]:
+        if path.name in ENTRY_POINTS or "metrics" in path.parts:  # the metric is loaded by `evaluate`, not imported
+            continue
+        files[".".join(path.relative_to(ROOT.parent).with_suffix("").parts)] = path
+    return files
+
+
+@pytest.mark.parametrize("path", ALGORITHM, ids=lambda path: str(path.relative_to(ROOT.parent)))
 def test_the_algorithm_never_imports_the_tools(path):
-    offending = sorted(name for name in imported_modules(path) if name.startswith(TOOLS))
-    assert not offending, f"{path.relative_to(ROOT)} imports {offending}"
+    offending = sorted(name for name in imported_modules(path) if package_of(name) not in (None, "core"))
+    assert not offending, f"{path.relative_to(ROOT.parent)} imports {offending}"
 
 
 def test_the_import_check_catches_a_tool_import(tmp_path):
     """Negative control: a module importing a tool inside a function is caught."""
     module = tmp_path / "bad.py"
     module.write_text("def f():\n    from hf_spec.bench.measure import weight_bytes\n")
-    assert any(name.startswith(TOOLS) for name in imported_modules(module))
+    assert any(package_of(name) == "bench" for name in imported_modules(module))
 
 
-def test_importing_the_algorithm_loads_no_tool():
+def test_packages_import_each_other_in_one_direction():
+    graph = package_graph(package_files())
+    assert find_cycle(graph) is None, f"package cycle: {find_cycle(graph)}"
+    order = ("core", *TOOLS)
+    backwards = sorted((source, target) for source, targets in graph.items() for target in targets
+                       if order.index(target) > order.index(source))
+    assert not backwards, f"imports against the order {order}: {backwards}"
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path):
+    """Negative control: loading -> evaluation -> loading is found."""
+    (tmp_path / "a.py").write_text("from hf_spec.evaluation.corpora import load_texts\n")
+    (tmp_path / "b.py").write_text("from hf_spec.loading.pretrained import load\n")
+    graph = package_graph({"hf_spec.loading.a": tmp_path / "a.py", "hf_spec.evaluation.b": tmp_path / "b.py"})
+    assert find_cycle(graph) in (["evaluation", "loading", "evaluation"], ["loading", "evaluation", "loading"])
+
+
+def test_importing_hf_spec_loads_the_algorithm_only():
+    """``import hf_spec`` (and ``generate()``'s modules) load no tool and no tool's dependency. (transformers itself
+    imports accelerate when it is installed; `tests/test_install.py` runs ``generate()`` where it is not.)"""
     code = ("import sys, hf_spec, hf_spec.decoding, hf_spec.drafting; "
-            f"print(sorted(m for m in sys.modules if m.startswith({TOOLS!r})))")
+            "print(sorted(m for m in sys.modules if m.startswith(('hf_spec.heads', 'hf_spec.loading', "
+            "'hf_spec.evaluation', 'hf_spec.bench', 'hf_spec.cli', 'matplotlib', 'datasets', 'evaluate', 'peft', "
+            "'gguf', 'bitsandbytes'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
-def test_old_import_paths_give_the_moved_module(old, new):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        assert importlib.import_module(old) is importlib.import_module(new)
+def test_public_api():
+    from hf_spec import (  # noqa: F401
+        AutoDraftLength,
+        AutoTreeSize,
+        Drafter,
+        DraftHead,
+        SpeculativeDecoderOnlyOutput,
+        SpeculativeStats,
+        TreeDrafter,
+        speculative,
+        without_speculation,
+    )
 
-
-def test_public_imports():
-    from hf_spec.pretrained import load
-
-    from hf_spec import AutoDraftLength, speculative, without_speculation  # noqa: F401
-
-    assert load is importlib.import_module("hf_spec.loading.pretrained").load
+    assert DraftHead is importlib.import_module("hf_spec.heads.model").DraftHead
+    assert not {"accept_draft_tokens", "accept_greedy", "sample_from_weights"} & set(hf_spec.__all__)
 
 
 def test_modules_and_functions_stay_small():

@@ -13,18 +13,27 @@ import logging
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
-from goodness_of_fit import fit_sequences
-from test_batches import PAD, PROMPTS, left_padded
-from test_exactness import CASES, _resample_from_p, exact_law, sample_speculative
+from helpers import (
+    CASES,
+    PAD,
+    PROMPTS,
+    exact_law,
+    left_padded,
+    make_noisy_copy,
+    make_tiny_model,
+    resample_from_p,
+    sample_speculative,
+)
 from transformers import AutoModelForCausalLM
 
-import hf_spec.decoding
+import hf_spec.rounds
 from hf_spec import AutoDraftLength, speculative, without_speculation
 from hf_spec.bench.measure import weight_bytes
 from hf_spec.drafting.costs import CostTable, probe_costs
+from hf_spec.drafting.model import ModelDrafter
+from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading import packed
-from hf_spec.loading.packed import PackedLinear, deoptimize, optimize
+from hf_spec.loading.packed import PackedLinear, cpu_path, deoptimize, optimize
 
 
 def optimized(model, path="packed"):
@@ -43,7 +52,7 @@ def small_pair():
 
 def test_packed_layers_really_are_packed_and_tied_outputs_stay_dense():
     model = optimized(make_tiny_model(seed=0))
-    assert model.hf_spec_cpu_path == "packed"
+    assert cpu_path(model).name == "packed"
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
     assert model.model.layers[0].mlp.down_proj.weight.is_mkldnn
     tied = make_tiny_model(seed=0)
@@ -62,7 +71,7 @@ def test_speculative_sampling_follows_the_optimized_target_law(small_pair, case)
 
 
 def test_negative_control_resampling_from_p_is_caught_on_the_optimized_path(small_pair, monkeypatch):
-    monkeypatch.setattr(hf_spec.decoding, "accept_draft_tokens", _resample_from_p)
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
     target, draft = small_pair
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(target, draft, settings, user_processors, k, seed=98)
@@ -95,7 +104,7 @@ def test_packing_keeps_the_weights_once_and_checkpoints_unchanged(tmp_path):
     with torch.no_grad():
         assert torch.allclose(reloaded(prompt).logits, base(prompt).logits)
     deoptimize(model)
-    assert not any(isinstance(module, PackedLinear) for module in model.modules()) and model.hf_spec_cpu_path is None
+    assert not any(isinstance(module, PackedLinear) for module in model.modules()) and cpu_path(model) is None
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in base.state_dict().items())
 
 
@@ -118,12 +127,12 @@ def test_auto_measures_every_candidate_and_keeps_the_fastest_for_its_role():
     assert set(path.seconds) == {"stock", "dense", "packed"} and path.name in ("dense", "packed")
     score = {name: seconds[1] for name, seconds in path.seconds.items() if name != "stock"}
     assert path.name == min(score, key=score.get)
-    assert model.hf_spec_cpu_path == path.name and path.name in path.describe()
+    assert cpu_path(model) is path and path.name in path.describe()
 
 
 def test_what_cannot_be_optimized_keeps_its_stock_path_with_the_reason(monkeypatch, caplog):
     half = make_tiny_model(seed=0).to(torch.float16)
-    assert optimize(half).reason == "torch.float16 weights" and half.hf_spec_cpu_path == "stock"
+    assert optimize(half).reason == "torch.float16 weights" and cpu_path(half).name == "stock"
 
     def refuse(weight, *args):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
@@ -146,10 +155,10 @@ def test_bad_path_and_role_are_named():
 
 def test_costs_are_probed_once_per_process_and_models():
     target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
-    first = probe_costs(target, draft, 4)
-    assert probe_costs(target, draft, 4) is first
+    first = probe_costs(target, ModelDrafter(draft), (2, 3, 4, 5))
+    assert probe_costs(target, ModelDrafter(draft), (2, 3, 4, 5)) is first, "keyed by the draft model, not the drafter"
     assert set(first.target_block_seconds) == {1, 2, 3, 4, 5} and first.draft_step_seconds > 0
-    assert probe_costs(target, None, 4).draft_step_seconds == 0.0
+    assert probe_costs(target, None, (2, 3, 4, 5)).draft_step_seconds == 0.0
 
 
 def hopeless_costs() -> CostTable:
@@ -159,7 +168,7 @@ def hopeless_costs() -> CostTable:
 
 def test_auto_decodes_at_k0_and_says_so_where_speculation_cannot_pay(target, random_draft, caplog):
     auto = AutoDraftLength()
-    with caplog.at_level(logging.WARNING, logger="hf_spec.drafting.draft_length"):
+    with caplog.at_level(logging.WARNING, logger="hf_spec.drafting.online"):
         auto.start_from(hopeless_costs())
     assert auto.is_hopeless and "speculation cannot pay" in caplog.text
     prompt = torch.tensor([[1, 2, 3]])

@@ -10,14 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
-from goodness_of_fit import fit_sequences
-from test_exactness import NUM_SAMPLES, VOCAB, _resample_from_p, exact_law, with_length
+from helpers import NUM_SAMPLES, exact_law, make_noisy_copy, make_tiny_model, resample_from_p, with_length
 from transformers import LogitsProcessorList
 
-import hf_spec.decoding
+import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.lookup import lookup_continuation
+from hf_spec.evaluation.exactness import fit_sequences
 
 # "3 2" recurs, so lookup proposes "1 3 2" from the first round; later rounds match the rows' own samples.
 LOOKUP_PROMPT = torch.tensor([[2, 1, 3, 2, 1, 3, 2]])
@@ -79,11 +78,6 @@ def test_bad_lookup_settings_are_named(target):
                         max_new_tokens=3)
 
 
-@pytest.fixture(scope="module")
-def small_target():
-    return speculative(make_tiny_model(seed=10, vocab_size=VOCAB, num_layers=1, head_scale=3.0))
-
-
 def sample_lookup(target, settings: dict, seed: int, **drafting) -> np.ndarray:
     """``[NUM_SAMPLES, NUM_TOKENS]``: rows of one batch, each an independent sample."""
     output = target.generate(
@@ -120,7 +114,7 @@ def test_auto_k_and_lookup_then_model_sampling_match_the_target_law(small_target
 
 def test_negative_control_lookup_resampling_from_p_is_caught(small_target, monkeypatch):
     """A rejected point mass resampled from p instead of p without x over-weights x: it must be caught."""
-    monkeypatch.setattr(hf_spec.decoding, "accept_draft_tokens", _resample_from_p)
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
     settings, drafting = LOOKUP_CASES["lookup_temperature_1"]
     samples = sample_lookup(small_target, settings, seed=3, **drafting)
     result = fit_sequences(samples, exact_law(small_target, settings, [], prompt=LOOKUP_PROMPT))

@@ -17,15 +17,23 @@ import json
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
-from goodness_of_fit import fit_sequences
-from test_batches import PAD, PROMPTS, left_padded
-from test_exactness import CASES, _resample_from_p, exact_law, sample_speculative
+from helpers import (
+    CASES,
+    PAD,
+    PROMPTS,
+    exact_law,
+    left_padded,
+    make_noisy_copy,
+    make_tiny_model,
+    resample_from_p,
+    sample_speculative,
+)
 
-import hf_spec.decoding
 import hf_spec.loading.quantization
+import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.cli import main
+from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.quantization import (
     SCHEMES,
     check_quantizable,
@@ -94,7 +102,7 @@ def test_a_quantized_draft_keeps_the_law(quantized_targets, small_draft):
 def test_negative_control_resampling_from_p_is_caught_with_a_quantized_target(
     quantized_targets, small_draft, monkeypatch
 ):
-    monkeypatch.setattr(hf_spec.decoding, "accept_draft_tokens", _resample_from_p)
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
     target = quantized_targets["nf4"]
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99)

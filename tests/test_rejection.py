@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from goodness_of_fit import fit_sequences
 
+from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.rejection import NOT_EMITTED, accept_draft_tokens, accept_greedy, sample_from_weights
 
 
@@ -152,7 +152,7 @@ def _always_accept(draft_ids, draft_probs, target_probs, generator):
     return accept_draft_tokens(draft_ids, draft_probs, torch.cat([draft_probs, target_probs[:, k:]], 1), generator)
 
 
-def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
+def resample_from_p(draft_ids, draft_probs, target_probs, generator):
     output_ids, num_accepted = accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
     at = num_accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])
     from_p = sample_from_weights(target_probs.gather(1, at).squeeze(1), generator)
@@ -181,7 +181,7 @@ def test_speculative_stream_has_the_target_law(k):
 
 
 @pytest.mark.parametrize(
-    "broken", [_always_accept, _resample_from_p, _bonus_from_wrong_position, _q_from_wrong_row],
+    "broken", [_always_accept, resample_from_p, _bonus_from_wrong_position, _q_from_wrong_row],
     ids=lambda f: f.__name__,
 )
 def test_negative_control_broken_sampler_is_caught(broken):

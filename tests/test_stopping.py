@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+from helpers import letters_tokenizer
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
-
-
-def letters_tokenizer(vocab_size: int = 16) -> PreTrainedTokenizerFast:
-    """Token i is the letter string.ascii_lowercase[i]; text is the letters joined."""
-    vocab = {letter: i for i, letter in enumerate(string.ascii_lowercase[:vocab_size])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="a"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
 def _greedy(target, **kwargs):

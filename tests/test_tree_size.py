@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
+from helpers import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
@@ -88,10 +88,9 @@ def _rate(a, g, c, block, num_nodes, branching, width):
 
 def simulate(chooser: AutoTreeSize, a, g, c, block, rounds: int, seed: int) -> list:
     rng = random.Random(seed)
-    chooser.shape = (3, 2)
     choices = []
     for index in range(rounds):
-        choice = chooser.choose_tree(100)
+        choice = chooser.choose_tree(100, GROWTH)
         branching = choice.branching or 3
         tree = _synthetic_tree(a, g, choice.num_nodes, branching, 1 if branching == 1 else 2)
         depth = max(tree.depths, default=0)
@@ -103,6 +102,7 @@ def simulate(chooser: AutoTreeSize, a, g, c, block, rounds: int, seed: int) -> l
     return choices
 
 
+GROWTH = (3, 2)  # the synthetic drafter: 3 children per node, the 2 best nodes of a level expanded
 CHEAP_BLOCKS = {"a": 0.55, "g": 0.45, "c": 0.03, "block": lambda n: 1.0 + 0.01 * (n - 1)}
 EXPENSIVE_BLOCKS = {"a": 0.8, "g": 0.4, "c": 0.1, "block": lambda n: 1.0 + 0.7 * (n - 1)}  # b >= 2 from 3 tokens
 
@@ -130,7 +130,6 @@ def test_expensive_blocks_stay_within_three_percent_of_target_only():
     for blocks costing 1.7 steps per extra token; explorations fade, so plain steps keep 97% of their speed."""
     pair = {**EXPENSIVE_BLOCKS, "block": lambda n: 1.0 + 1.2 * (n - 1)}
     chooser = AutoTreeSize()
-    chooser.shape = (3, 2)
     chooser.start_from(CostTable(1.0, pair["c"], {n: pair["block"](n) for n in (1, 2, 4, 8, 16, 33)}, {1: 0.1, 2: 0.1}))
     choices = simulate(chooser, **pair, rounds=300, seed=4)
     tokens = seconds = 0.0

@@ -10,8 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
-from goodness_of_fit import fit_sequences
+from helpers import make_noisy_copy, make_tiny_model
 from transformers import LogitsProcessorList
 
 import hf_spec.drafting.branching
@@ -21,7 +20,7 @@ from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter, continuations, heaviest_subtree
 from hf_spec.drafting.tree import DraftTree
 from hf_spec.drafting.tree_size import AutoTreeSize
-from hf_spec.evaluation.exactness import exact_law
+from hf_spec.evaluation.exactness import exact_law, fit_sequences
 from hf_spec.rejection import accept_tree, accept_tree_greedy, sample_from_weights
 
 VOCAB = 4
@@ -136,16 +135,6 @@ NUM_TOKENS = 3
 # `HF_SPEC_TREE_SAMPLES=20000 pytest tests/test_trees.py -k generate -rA` (benchmarks/2026-12-01/).
 GENERATE_SAMPLES = int(os.environ.get("HF_SPEC_TREE_SAMPLES", "2000"))
 PROMPT = torch.tensor([[1, 3, 2, 1, 3]])
-
-
-@pytest.fixture(scope="module")
-def small_target():
-    return speculative(make_tiny_model(seed=10, vocab_size=VOCAB, num_layers=1, head_scale=3.0))
-
-
-@pytest.fixture(scope="module")
-def small_draft(small_target):
-    return make_noisy_copy(small_target, seed=12, noise=1.0)
 
 
 def _settings(settings: dict) -> dict:

@@ -11,32 +11,28 @@ import json
 
 import pytest
 import torch
-from conftest import make_noisy_copy, make_tiny_model
-from goodness_of_fit import fit_sequences
-from test_batches import PAD, PROMPTS, left_padded
-from test_exactness import CASES, exact_law, sample_speculative
-from test_stopping import letters_tokenizer
+from helpers import (
+    CASES,
+    PAD,
+    PROMPTS,
+    exact_law,
+    left_padded,
+    letters_tokenizer,
+    make_noisy_copy,
+    make_tiny_model,
+    sample_speculative,
+)
 
-import hf_spec.decoding
 import hf_spec.rejection
+import hf_spec.rounds
 from hf_spec import speculative, without_speculation
 from hf_spec.cli import main
-from hf_spec.drafting.vocabulary import (
-    PrunedOutputLayer,
-    frequent_token_ids,
-    prune_vocabulary,
-    pruned_size,
-    restore_vocabulary,
-    token_counts,
-)
+from hf_spec.drafting.vocabulary import PrunedOutputLayer, prune_vocabulary, pruned_size, restore_vocabulary
+from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.packed import optimize
+from hf_spec.loading.vocabulary import frequent_token_ids, token_counts
 
 KEPT = [0, 2]  # of the statistical tests' 4 ids
-
-
-@pytest.fixture(scope="module")
-def small_target():
-    return speculative(make_tiny_model(seed=10, vocab_size=4, num_layers=1, head_scale=3.0))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +73,7 @@ def _target_restricted_to_the_draft_ids(draft_ids, draft_probs, target_probs, ge
 
 
 def test_negative_control_a_target_restricted_to_the_draft_ids_is_caught(small_target, pruned_draft, monkeypatch):
-    monkeypatch.setattr(hf_spec.decoding, "accept_draft_tokens", _target_restricted_to_the_draft_ids)
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", _target_restricted_to_the_draft_ids)
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(small_target, pruned_draft, settings, user_processors, k, seed=97)
     assert not fit_sequences(samples, exact_law(small_target, settings, user_processors)).is_consistent

@@ -52,11 +52,14 @@ from transformers import PreTrainedModel
 from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
 from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
-from hf_spec.drafting.costs import measure_costs, probe_costs
+from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
-from hf_spec.evaluation.continuations import count_new_tokens, eos_token_ids, seeded
+from hf_spec.evaluation.continuations import count_new_tokens, seeded
+from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
+from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative, without_speculation
+from hf_spec.plan import make_drafter
 
 METHODS = (
     "target_only", "transformers", "transformers_default", "transformers_heuristic", "transformers_lookup",
@@ -203,10 +206,12 @@ def run_benchmark(
         generate_once(spec, *plan.pair(method), first, {**plan.generate_kwargs, "max_new_tokens": 4})
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
-    costs = {name + suffix: measure_costs(*plan.pairs[suffix], prompts[0]["input_ids"], [k + 1 for k in fixed_ks])
+    costs = {name + suffix: measure_costs(plan.pairs[suffix][0], make_drafter(plan.pairs[suffix][1]),
+                                          prompts[0]["input_ids"], [k + 1 for k in fixed_ks])
              for suffix in dict.fromkeys(plan.pair_of[m] for m, spec in plan.specs.items() if spec.uses_draft)
              for name, prompts in workloads.items()}
-    cost_table = probe_costs(*plan.pairs[""], max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks))
+    largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
+    cost_table = probe_costs(plan.pairs[""][0], make_drafter(plan.pairs[""][1]), probe_sizes(largest))
     runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress)
 
     weights = {}
@@ -307,6 +312,6 @@ def _describe(model: PreTrainedModel, base: PreTrainedModel) -> str:
     """How a variant's model differs from the first pair's: ``"same"``, its quantization, or its name and dtype."""
     if model is base:
         return "same"
-    path = getattr(model, "hf_spec_cpu_path", None) or "stock"
+    path = getattr(cpu_path(model), "name", "stock")
     return quantization_of(model) or (f"{model.name_or_path or 'tiny'} ({str(model.dtype).removeprefix('torch.')}, "
                                       f"CPU path {path})")

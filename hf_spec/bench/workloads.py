@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_spec.checks import check_int
-from hf_spec.evaluation.corpora import humaneval_problems
+from hf_spec.loading.corpora import humaneval_problems
 
 WORKLOADS = ("code", "prose", "edit")
 

@@ -17,10 +17,11 @@ from hf_spec.cli.common import load_models, positive_int
 from hf_spec.drafting.vocabulary import prune_vocabulary
 from hf_spec.heads.model import DraftHead, is_draft_head_folder
 from hf_spec.loading.packed import optimize
-from hf_spec.loading.pair import TINY, draft_vocabulary, place_draft
+from hf_spec.loading.pair import TINY, place_draft
 from hf_spec.loading.pretrained import load
 from hf_spec.loading.quantization import SCHEMES, quantized_copy
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE, build_tiny_pair
+from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.validation import check_same_vocabulary
 
 
@@ -119,7 +120,7 @@ def _variants(args: argparse.Namespace, pair) -> dict:
         if is_draft_head_folder(name):  # a head built for this target: checked against it, dense kernels for its steps
             head = DraftHead.from_pretrained(name).to(dtype=pair_dtype, device=target.device).eval()
             try:
-                head.check_target(target)
+                head.attach(target)
             except ValueError as error:
                 raise SystemExit(f"--draft-variants {name}: {error}") from None
             if not args.no_optimize:

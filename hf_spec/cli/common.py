@@ -8,7 +8,7 @@ import json
 import torch
 
 from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
-from hf_spec.evaluation.corpora import load_texts
+from hf_spec.loading.corpora import load_texts
 from hf_spec.loading.pair import TINY, Pair, load_pair
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET
 from hf_spec.loading.quantization import SCHEMES

@@ -10,6 +10,7 @@ from hf_spec.cli.common import load_models, prompts, sampling, text_arguments, w
 from hf_spec.drafting.costs import measure_costs
 from hf_spec.evaluation.continuations import target_continuations
 from hf_spec.evaluation.draft_fit import evaluate_draft, measure_draft
+from hf_spec.plan import make_drafter
 
 
 def add_parser(commands, shared: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     continuations = target_continuations(pair.target, texts, args.max_new_tokens, settings, seed=args.seed)
     cost_ratio, costs = args.cost_ratio, None
     if cost_ratio is None:
-        costs = measure_costs(pair.target, pair.draft, texts[0], [args.num_assistant_tokens + 1])
+        costs = measure_costs(pair.target, make_drafter(pair.draft), texts[0], [args.num_assistant_tokens + 1])
         cost_ratio = costs.cost_ratio
     predicted = evaluate_draft(pair.target, pair.draft, texts, continuations, settings, cost_ratio=cost_ratio)
     report = {"predicted": dataclasses.asdict(predicted), "cost_ratio": cost_ratio,

@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
         **stats.to_dict(), "new_tokens": num_new, "speculative_tokens_per_second": num_new / speculative_seconds,
         "threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."), "target": args.target,
         "draft": args.draft,
-        "cpu_paths": {role: getattr(model, "hf_spec_cpu_path", None) for role, model in (("target", target),
-                                                                                            ("draft", draft))},
+        "cpu_paths": {role: None if path is None else path.name
+                      for role, path in (("target", pair.target_path), ("draft", pair.draft_path))},
     }
     if args.compare:
         started = time.perf_counter()

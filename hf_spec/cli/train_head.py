@@ -42,8 +42,8 @@ def add_parser(commands, shared: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
+    from hf_spec.evaluation.head_training import evaluate_head, feature_dataset, train_head
     from hf_spec.heads import DraftHead
-    from hf_spec.heads.training import evaluate_head, feature_dataset, train_head
 
     if not 0 < args.eval_fraction < 1:
         raise SystemExit(f"--eval-fraction must be in (0, 1), but is {args.eval_fraction}.")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"--feature-layers / --num-layers: {error}") from None
     if args.draft_vocab is not None:
-        from hf_spec.loading.pair import draft_vocabulary
+        from hf_spec.loading.vocabulary import draft_vocabulary
 
         head.prune(draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus))
     before = evaluate_head(head, held_out)

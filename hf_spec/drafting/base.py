@@ -5,16 +5,22 @@ prefix, and returns q. That is all the acceptance rule needs for exactness: `hf_
 probability min(1, p(x) / q(x)) and resamples a rejection from normalize(max(0, p - q)), whatever q is.
 
 What drafters do not do: choose k (`hf_spec.drafting.draft_length` does), or touch the target's cache.
+
+The core knows every drafter through this contract only: a drafter of your own, a draft model (`ModelDrafter`), a draft
+head (`hf_spec.heads`: its model hands the loop a drafter through `DraftSource`), prompt lookup. Its hooks say what
+it reads from the target's verify pass (``feature_layers``), what it costs (`measure_passes`, for the cost probe) and
+whether it fits the target (`check`).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.forward import has_invalid_values
 from hf_spec.rejection import sample_from_weights
@@ -69,6 +75,30 @@ class Drafter(abc.ABC):
     def reset(self) -> None:
         """Forget the previous call's state; the loop calls it before a call's first round (a drafter passed as
         ``assistant_model`` serves many calls)."""
+
+    def check(self, target: PreTrainedModel, max_length: int) -> None:
+        """Refuse, before any forward pass and with an error naming ``assistant_model``, a drafter that cannot serve
+        ``target`` up to ``max_length`` tokens (another device, another model's head, too short a position table)."""
+
+    @property
+    def cost_key(self) -> object | None:
+        """What the drafter's cost depends on (its model), weakly referenced by the cost probe's cache; ``None`` for a
+        drafter whose proposals cost no forward pass."""
+        return None
+
+    def measure_passes(self, prefix_ids: torch.Tensor, widths: list[int], repeats: int) -> dict[int, float]:
+        """Median seconds of the drafter's forward pass over each of ``widths`` tokens after a cached ``prefix_ids``
+        ``[1, S]`` (the cost probe's draft column); ``{}`` when proposals cost no forward pass (prompt lookup)."""
+        return {}
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """A model passed as ``assistant_model`` that hands the loop its own drafter (a draft head does): the core calls
+    ``hf_spec_drafter`` instead of drafting with the model's forward pass."""
+
+    def hf_spec_drafter(self, *, tree: bool) -> Drafter:
+        """The drafter for one call: a chain drafter, or a `hf_spec.drafting.tree.TreeDrafter` when ``tree``."""
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

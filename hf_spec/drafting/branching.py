@@ -1,5 +1,5 @@
 """`BranchingTreeDrafter`: a drafter that grows its tree from its own laws, the dynamic tree of EAGLE-2 (Li et al.
-2024) made exact. A draft model (`hf_spec.drafting.model_tree`) and a draft head (`hf_spec.drafting.head`) differ
+2024) made exact. A draft model (`hf_spec.drafting.model_tree`) and a draft head (`hf_spec.heads.drafter`) differ
 only in how they read the committed text and how they evaluate a level of nodes; the growth is here.
 
 A node's value is its cumulative draft probability (the product of q along its path). At each depth the ``width``

@@ -1,9 +1,11 @@
 """What a round costs: a target step, target passes over blocks of 2..k+1 tokens, and a draft step, measured.
 
 The speed-up formula's b (a (k+1)-token target pass over a target step) and c (a draft step over a target step)
-decide how much to draft, and they depend on the machine, the dtype, the thread count and the kernels (`hf_spec.loading
-.packed`). `probe_costs` measures them once per (models, dtype, threads, kernel path) and keeps them for the process,
-so ``num_assistant_tokens="auto"`` starts from measured costs instead of exploring, and `hf-spec bench` prints them.
+decide how much to draft, and they depend on the machine, the dtype, the thread count and the kernels. `probe_costs`
+measures them once per (target, drafter's model, dtypes, devices, threads, sizes) and keeps them for the process,
+so the automatic sizers start from measured costs instead of exploring, and `hf-spec bench` prints them. The cache
+holds its models weakly (a model that is freed takes its costs along), and `forget_costs` drops a model's entries
+when its kernels change (`hf_spec.loading.packed.optimize` calls it).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
 from hf_spec.drafting.speedup import predicted_speedup
-from hf_spec.heads.model import DraftHead
+from hf_spec.forward import position_table
 
 #: Tokens of random context before the timed passes (costs grow slowly with the cache length).
 PROBE_PREFIX_LENGTH = 128
+#: The target pass sizes the probe may time; other sizes are interpolated, and sizes past the last extrapolated.
+PROBE_BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 48, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,37 +73,14 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
     return {width: float(np.median(values)) for width, values in seconds.items()}
 
 
-def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, prefix_ids: torch.Tensor,
-                  block_sizes: list[int], repeats: int = 5, draft_widths: tuple[int, ...] = (1,)) -> CostTable:
-    """Costs after ``prefix_ids`` ``[1, S]``: target passes over each of ``block_sizes`` tokens (and 1), and a draft
-    step (0 without a draft model); a draft model's passes over ``draft_widths`` tokens too (a tree's levels)."""
+def measure_costs(target: PreTrainedModel, drafter, prefix_ids: torch.Tensor, block_sizes: list[int],
+                  repeats: int = 5, draft_widths: tuple[int, ...] = (1,)) -> CostTable:
+    """Costs after ``prefix_ids`` ``[1, S]``: target passes over each of ``block_sizes`` tokens (and 1), and the
+    drafter's passes over ``draft_widths`` tokens (and 1; a tree's levels), from its `Drafter.measure_passes` hook:
+    nothing for a drafter without forward passes (prompt lookup), whose steps then cost 0."""
     target_seconds = forward_seconds(target, prefix_ids.to(target.device), sorted({1, *block_sizes}), repeats)
-    draft_seconds, draft_passes = 0.0, {}
-    if isinstance(draft, DraftHead):
-        draft_seconds = head_step_seconds(draft, prefix_ids.to(draft.device), repeats)
-    elif draft is not None:
-        draft_passes = forward_seconds(draft, prefix_ids.to(draft.device), sorted({1, *draft_widths}), repeats)
-        draft_seconds = draft_passes[1]
-    return CostTable(target_seconds[1], draft_seconds, target_seconds, draft_passes)
-
-
-@torch.no_grad()
-def head_step_seconds(head: DraftHead, prefix_ids: torch.Tensor, repeats: int = 5) -> float:
-    """Median seconds of a draft head's step (one token fed with its own predicted feature) on top of a cached
-    ``prefix_ids`` ``[1, S]`` read with (zero) target features."""
-    cache = new_cache(head.decoder)
-    width = head.config.target_hidden_size * len(head.config.feature_layers)
-    features = torch.zeros((*prefix_ids.shape, width), dtype=head.dtype, device=prefix_ids.device)
-    predicted = head(prefix_ids, features=features, cache=cache, logits_to_keep=1).hidden_states[:, -1:]
-    prefix, seconds = cache_length(cache), []
-    for _ in range(repeats):
-        synchronize(head.device)
-        started = time.perf_counter()
-        head(prefix_ids[:, -1:], predicted=predicted, cache=cache, logits_to_keep=1)
-        synchronize(head.device)
-        seconds.append(time.perf_counter() - started)
-        crop_to(cache, prefix)
-    return float(np.median(seconds))
+    draft_passes = {} if drafter is None else drafter.measure_passes(prefix_ids, sorted({1, *draft_widths}), repeats)
+    return CostTable(target_seconds[1], draft_passes.get(1, 0.0), target_seconds, draft_passes)
 
 
 def synchronize(device: torch.device) -> None:
@@ -108,31 +89,84 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {key: CostTable}
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {draft model or None -> {key: table}}
 
 
-def probe_costs(target: PreTrainedModel, draft: PreTrainedModel | None, max_draft_tokens: int,
-                repeats: int = 3, block_sizes: tuple[int, ...] | None = None,
+def probe_sizes(max_block_size: int) -> tuple[int, ...]:
+    """The target pass sizes to time for passes of up to ``max_block_size`` tokens: the sizes of `PROBE_BLOCK_SIZES`
+    up to it and the next one (so that every size in between is interpolated; a few calls share one probe)."""
+    above = [size for size in PROBE_BLOCK_SIZES if size >= max_block_size][:1]
+    return tuple(size for size in PROBE_BLOCK_SIZES if size < max_block_size) + tuple(above)
+
+
+def probe_costs(target: PreTrainedModel, drafter, block_sizes: tuple[int, ...], repeats: int = 3,
                 draft_widths: tuple[int, ...] = (1,)) -> CostTable:
-    """`measure_costs` for blocks of 1 .. ``max_draft_tokens + 1`` tokens (or of ``block_sizes``) after
-    `PROBE_PREFIX_LENGTH` random ids, once per (target, draft, dtypes, threads, kernel paths, sizes) in this process."""
-    sizes = tuple(range(1, max_draft_tokens + 2)) if block_sizes is None else tuple(sorted(block_sizes))
-    key = (None if draft is None else id(draft), _describe(target), _describe(draft), torch.get_num_threads(),
-           sizes, tuple(draft_widths))
-    probed = _PROBED.setdefault(target, {})
+    """`measure_costs` for target passes over ``block_sizes`` tokens after up to `PROBE_PREFIX_LENGTH` random ids,
+    once per (target, the drafter's `Drafter.cost_key`, dtypes, devices, threads, sizes) in this process.
+
+    Passes and the prefix are cut to what both models' position tables hold (a size left out is extrapolated)."""
+    draft_model = None if drafter is None else drafter.cost_key
+    positions = _positions(target, draft_model)
+    sizes = tuple(sorted({1, *(size for size in block_sizes if size <= max(1, positions // 2))}))
+    draft_widths = tuple(width for width in draft_widths if width <= max(sizes)) or (1,)
+    key = (_describe(target), _describe(draft_model), torch.get_num_threads(), sizes, tuple(draft_widths))
+    by_draft = _PROBED.setdefault(target, {})
+    for stale in [entry for entry in by_draft if entry.ref is not None and entry.ref() is None]:
+        del by_draft[stale]  # a freed draft's costs
+    probed = by_draft.setdefault(_WeakKey(draft_model), {})
     if key not in probed:
         generator = torch.Generator().manual_seed(0)  # the ids do not matter, only their number
         vocab_size = target.get_input_embeddings().num_embeddings
-        if draft is not None:
-            vocab_size = min(vocab_size, draft.get_input_embeddings().num_embeddings)
-        max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 20
-        length = max(1, min(PROBE_PREFIX_LENGTH, max_positions - max(sizes) - 1))
+        if draft_model is not None and hasattr(draft_model, "get_input_embeddings"):
+            vocab_size = min(vocab_size, draft_model.get_input_embeddings().num_embeddings)
+        length = max(1, min(PROBE_PREFIX_LENGTH, positions - max(sizes) - 1))
         prefix_ids = torch.randint(vocab_size, (1, length), generator=generator)
-        probed[key] = measure_costs(target, draft, prefix_ids, list(sizes), repeats, tuple(draft_widths))
+        probed[key] = measure_costs(target, drafter, prefix_ids, list(sizes), repeats, tuple(draft_widths))
     return probed[key]
 
 
-def _describe(model: PreTrainedModel | None) -> tuple:
+def forget_costs(model: PreTrainedModel) -> None:
+    """Drop every probed cost that involves ``model`` (as the target or the draft): its kernels changed."""
+    _PROBED.pop(model, None)
+    for by_draft in list(_PROBED.values()):
+        by_draft.pop(_WeakKey(model), None)
+
+
+class _WeakKey:
+    """A dictionary key that holds its object weakly and compares by identity (``None`` for no draft model); a
+    key whose object was freed equals no live one, so a new model at a freed one's address gets no stale costs."""
+
+    def __init__(self, obj):
+        self.ref = None if obj is None else weakref.ref(obj)
+
+    def _target(self):
+        return None if self.ref is None else self.ref()
+
+    def __hash__(self) -> int:
+        return hash(None) if self.ref is None else hash(self.ref)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _WeakKey):
+            return NotImplemented
+        if self.ref is None or other.ref is None:
+            return self.ref is other.ref
+        return self.ref == other.ref and self._target() is not None
+
+
+def _positions(*models) -> int:
+    """The most positions every model here can take: learned position tables and ``max_position_embeddings``."""
+    limits = [1 << 20]
+    for model in models:
+        if model is None:
+            continue
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if config is not None else None
+        limits.append(getattr(text, "max_position_embeddings", None) or 1 << 20)
+        limits.append(position_table(model) or 1 << 20)
+    return min(limits)
+
+
+def _describe(model) -> tuple:
     if model is None:
         return ()
-    return (str(model.dtype), str(model.device), getattr(model, "hf_spec_cpu_path", None))
+    return (str(getattr(model, "dtype", None)), str(getattr(model, "device", None)))

@@ -63,6 +63,16 @@ class LookupThenModel(Drafter):
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         self.model.roll_back(num_cached, staying_rows)  # its cache may lag behind: it catches up when next used
 
+    def check(self, target, max_length: int) -> None:
+        self.model.check(target, max_length)
+
+    @property
+    def cost_key(self):
+        return self.model.cost_key
+
+    def measure_passes(self, prefix_ids: torch.Tensor, widths: list[int], repeats: int) -> dict[int, float]:
+        return self.model.measure_passes(prefix_ids, widths, repeats)
+
 
 def lookup_continuation(ids: torch.Tensor, max_ngram_size: int, min_ngram_size: int,
                         num_draft_tokens: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ from transformers import PreTrainedModel
 
 from hf_spec.caches import crop_to, new_cache, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, stack_laws
-from hf_spec.forward import extend_mask, forward_missing
+from hf_spec.drafting.costs import forward_seconds
+from hf_spec.forward import extend_mask, forward_missing, position_table
 from hf_spec.rows import RaggedBatch
 
 
@@ -29,7 +30,7 @@ class ModelDrafter(Drafter):
         is_invalid = torch.zeros(2, dtype=torch.bool, device=model_ids.device)  # [raw logits, processed scores]
         for i in range(num_draft_tokens):
             prefix_ids = torch.cat([model_ids, draft_ids], dim=1)  # [active, columns + i]
-            logits = forward_missing(
+            logits, _ = forward_missing(
                 self.model, self.cache, prefix_ids.clamp(max=max_draft_id) if needs_clamp else prefix_ids,
                 extend_mask(batch.model_mask, i), num_logits=1,
             )  # [active, 1, draft vocab]
@@ -42,7 +43,42 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         self.cache = new_cache(self.model)
 
+    def check(self, target: PreTrainedModel, max_length: int) -> None:
+        check_draft_model(self.model, target, max_length)
+
+    @property
+    def cost_key(self) -> PreTrainedModel:
+        return self.model
+
+    def measure_passes(self, prefix_ids: torch.Tensor, widths: list[int], repeats: int) -> dict[int, float]:
+        return forward_seconds(self.model, prefix_ids.to(self.model.device), widths, repeats)
+
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         if staying_rows is not None:
             select_rows(self.cache, staying_rows)
         crop_to(self.cache, num_cached)
+
+
+def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_length: int) -> None:
+    """A draft model must be decoder-only, on the target's (first) device, and hold every position it is fed.
+
+    A call may reach ``max_length`` tokens, but the draft never reads the last two: a round that drafts k tokens
+    after a row of length L feeds the draft L + k - 1 of them, and k <= max_length - L - 1. So positions up to
+    ``max_length - 3`` must be in a learned position table (models with rotary or ALiBi positions have no such
+    limit)."""
+    if draft.config.is_encoder_decoder:
+        raise ValueError(f"hf_spec supports decoder-only models; `assistant_model` ({type(draft).__name__}) is an "
+                         "encoder-decoder model.")
+    if draft.device != target.device:
+        raise ValueError(
+            f"`assistant_model` is on {draft.device} but the model is on {target.device}; move the draft to the "
+            f"target's (first) device, e.g. `assistant_model.to({str(target.device)!r})`."
+        )
+    table = position_table(draft)
+    if table is not None and max_length - 2 > table:
+        raise ValueError(
+            f"`assistant_model` has a table of {table} learned positions, but this call may reach {max_length} "
+            f"tokens (prompt + max_new_tokens), of which the draft reads up to {max_length - 2}; lower "
+            "`max_new_tokens` or use a draft with a longer context."
+        )
+

@@ -26,7 +26,7 @@ class ModelTreeDrafter(ModelDrafter, BranchingTreeDrafter):
 
     def _start_tree(self, batch: RaggedBatch) -> torch.Tensor:
         empty = batch.model_ids[0, :0]
-        logits = forward_tree(
+        logits, _ = forward_tree(
             self.model, self.cache, self._clamped(batch.model_ids), batch.model_mask, empty, empty,
             torch.zeros((0, 0), dtype=torch.bool, device=empty.device), num_logits=1,
         )  # [1, draft vocab]
@@ -37,7 +37,7 @@ class ModelTreeDrafter(ModelDrafter, BranchingTreeDrafter):
                         depth: int) -> torch.Tensor:
         device = batch.model_ids.device
         visible = visibility(parents, self._fed + level).to(device)
-        logits = forward_tree(
+        logits, _ = forward_tree(
             self.model, self.cache, self._clamped(batch.model_ids), batch.model_mask,
             self._clamped(torch.stack([tokens[i] for i in level])),
             torch.full((len(level),), depth, device=device), visible[len(self._fed):], num_logits=len(level),

@@ -69,3 +69,14 @@ class OracleDrafter(Drafter):
         """The answer is indexed by batch row, which finished rows keep; only the draft model's cache follows."""
         if self.model is not None:
             self.model.roll_back(num_cached, staying_rows)
+
+    def check(self, target: PreTrainedModel, max_length: int) -> None:
+        if self.model is not None:
+            self.model.check(target, max_length)
+
+    @property
+    def cost_key(self):
+        return None if self.model is None else self.model.cost_key
+
+    def measure_passes(self, prefix_ids: torch.Tensor, widths: list[int], repeats: int) -> dict[int, float]:
+        return {} if self.model is None else self.model.measure_passes(prefix_ids, widths, repeats)

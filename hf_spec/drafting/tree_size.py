@@ -12,27 +12,26 @@ and a tree emits 1 + sum_v f(v) tokens in expectation. `grow_values` replays the
 the value (level by level, the ``width`` best nodes of a level expanded into ``branching`` children; or best-first
 over the whole tree for a drafter without a width, such as suffix matching), giving the expected tokens and the depth
 of the tree for every budget N. A round costs one draft pass per depth (a draft model or head; nothing for suffix
-matching) plus one target pass over N + 1 tokens. `AutoTreeSize` estimates p and both costs online, like
-`AutoDraftLength` (which it extends: forgetting, shrinkage, the probe's costs as a start, exploration after rounds
-without drafting, and the clock overruling the model), and before every round picks the N in 0 .. ``max_nodes`` and
-the branching (the drafter's, or 1: a chain) with the most expected tokens per second. Where blocks are expensive it
-thus drafts a chain, or nothing.
+matching) plus one target pass over N + 1 tokens. `AutoTreeSize` estimates p and both costs online as
+`AutoDraftLength` does (`hf_spec.drafting.online`: forgetting, shrinkage, the probe's costs as a start, exploration
+after rounds without drafting, and the clock overruling the model), and before every round picks the N in
+0 .. ``max_nodes`` and the branching (the drafter's, or 1: a chain) with the most expected tokens per second. Where
+blocks are expensive it thus drafts a chain, or nothing.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 
 from hf_spec.checks import check_int
 from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.draft_length import AutoDraftLength, DecayedMean
+from hf_spec.drafting.online import MAX_CHOSEN, DecayedMean, OnlineSizer, PositionalAcceptance
 from hf_spec.drafting.tree import DraftTree
 
 #: The node budget most with ``num_tree_nodes="auto"``: the probe measures target passes up to this many + 1 tokens.
 DEFAULT_MAX_TREE_NODES = 32
-#: Target pass sizes the probe measures for ``"auto"``; others are interpolated.
-PROBE_BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)
 #: Children per node the model considers for a drafter without its own limit (suffix matching).
 MAX_RANKS = 8
 
@@ -55,7 +54,7 @@ class FixedTreeSize:
     def __init__(self, num_nodes: int, max_depth: int):
         self.num_nodes, self.max_depth = check_int("num_tree_nodes", num_nodes), max_depth
 
-    def choose_tree(self, depth_limit: int) -> TreeChoice:
+    def choose_tree(self, depth_limit: int, growth: tuple[int, int | None]) -> TreeChoice:
         depth = min(self.max_depth, depth_limit)
         return TreeChoice(self.num_nodes if depth > 0 else 0, depth)
 
@@ -124,68 +123,62 @@ def rank_outcomes(parents: list[int], path: list[int]) -> list[tuple[int, int, b
     return outcomes
 
 
-class AutoTreeSize(AutoDraftLength):
+class AutoTreeSize(OnlineSizer):
     """Chooses the node budget and branching before every round from acceptance and costs measured online (see the
-    module docstring); as an `AutoDraftLength` it also chooses a chain's k from the same first-child acceptance.
+    module docstring).
 
     Args:
         max_nodes: the largest budget considered.
         max_depth: the deepest tree (and the longest chain).
+        initial: nodes of the first round, before any cost is known.
         later_prior: acceptance assumed for second and later children before any was tried.
-        Other arguments: `AutoDraftLength`.
+        Other arguments: as `AutoDraftLength` (``prior_acceptance`` is the first children's).
+
+    Attributes:
+        chosen, chosen_branching: the budget and branching of the last rounds (up to
+            `hf_spec.drafting.online.MAX_CHOSEN`), across calls when reused.
     """
 
     def __init__(self, max_nodes: int = DEFAULT_MAX_TREE_NODES, max_depth: int = 10, initial: int = 4,
-                 later_prior: float = 0.2, **kwargs):
-        super().__init__(max_draft_tokens=check_int("max_depth", max_depth), initial=initial, **kwargs)
-        self.max_nodes = check_int("max_nodes", max_nodes)
+                 later_prior: float = 0.2, prior_acceptance: float = 0.6, prior_weight: float = 2.0,
+                 decay: float = 0.97, explore_every: int = 8):
+        self.max_nodes, self.max_depth = check_int("max_nodes", max_nodes), check_int("max_depth", max_depth)
+        super().__init__(max_depth, max_nodes + 1, initial, prior_acceptance, prior_weight, decay, explore_every)
         if not 0.0 < later_prior < 1.0:
             raise ValueError(f"`later_prior` must be in (0, 1), but is {later_prior!r}.")
         self.later_prior = later_prior
-        self.shape: tuple[int, int | None] = (1, 1)  # the drafter's (branching, width), set by the loop
-        self._later = [[DecayedMean(self._decay) for _ in range(MAX_RANKS - 1)] for _ in range(max_depth)]
-        self._tree_step = DecayedMean(self._decay)  # seconds of a draft pass over a tree level
-        self.chosen_branching: list[int] = []
+        # rank r + 1 (the second child tried, ...) at each depth, pooled over depths towards later_prior
+        self.later = [PositionalAcceptance(max_depth, later_prior, prior_weight, decay) for _ in range(MAX_RANKS - 1)]
+        self.tree_step = DecayedMean(decay)  # seconds of a draft pass over a tree level
+        self._probed_passes: dict[int, float] = {}  # the probe's draft passes by width, seeding tree_step once
+        self._seed_weight = 0.0
+        self.chosen_branching: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)
 
     def start_from(self, costs: CostTable, weight: float = 4.0) -> None:
         super().start_from(costs, weight)
-        width = self.shape[1] or 1
-        if costs.draft_pass_seconds:
-            nearest = min(costs.draft_pass_seconds, key=lambda size: abs(size - width))
-            self._tree_step.add(costs.draft_pass_seconds[nearest], weight)
-        elif costs.draft_step_seconds > 0:
-            self._tree_step.add(costs.draft_step_seconds, weight)
-
-    def _max_block_size(self) -> int:
-        return self.max_nodes + 1
+        passes = costs.draft_pass_seconds or ({1: costs.draft_step_seconds} if costs.draft_step_seconds > 0 else {})
+        self._probed_passes, self._seed_weight = dict(passes), weight
 
     def tree_acceptance(self, branching: int) -> list[list[float]]:
         """``p[d][r]`` for ranks ``0 .. branching - 1``: first children from the chain's estimate, later ones shrunk
         towards their rank's pooled rate, which is shrunk towards ``later_prior``."""
-        first = self.acceptance()
-        table = []
-        for depth in range(self.max_draft_tokens):
-            row = [first[depth]]
-            for rank in range(branching - 1):
-                pooled_total = sum(self._later[d][rank].total for d in range(self.max_draft_tokens))
-                pooled_weight = sum(self._later[d][rank].weight for d in range(self.max_draft_tokens))
-                pooled = (pooled_total + self.later_prior * self.prior_weight) / (pooled_weight + self.prior_weight)
-                cell = self._later[depth][rank]
-                row.append((cell.total + pooled * self.prior_weight) / (cell.weight + self.prior_weight))
-            table.append(row)
-        return table
+        columns = [self.first.estimate(), *(rank.estimate() for rank in self.later[: branching - 1])]
+        return [list(row) for row in zip(*columns)]
 
-    def choose_tree(self, depth_limit: int) -> TreeChoice:
-        """The next round's tree, at most ``depth_limit`` deep (tokens left before ``max_length``)."""
-        depth_limit = max(0, min(depth_limit, self.max_draft_tokens))
+    def choose_tree(self, depth_limit: int, growth: tuple[int, int | None]) -> TreeChoice:
+        """The next round's tree, at most ``depth_limit`` deep (tokens left before ``max_length``), for a drafter
+        that grows ``growth`` = (children per node, nodes expanded per level or ``None``: best-first)."""
+        depth_limit = max(0, min(depth_limit, self.max_depth))
+        self._seed_tree_step(growth[1])
         forced = self._forced_choice()
         if forced is not None:
-            branching = 1 if self._is_exploring or forced == 0 else None
-            return self._chose_tree(TreeChoice(forced if depth_limit > 0 else 0, depth_limit, branching))
+            branching = 1 if self.exploration.is_exploring or forced == 0 else None
+            return self._chose_tree(TreeChoice(forced if depth_limit > 0 else 0, depth_limit, branching), growth)
         best, best_rate = TreeChoice(0, depth_limit, 1), 1.0 / self.block_seconds(1)
-        drafter_branching, width = self.shape
+        drafter_branching, width = growth
         for branching in sorted({1, drafter_branching}):
-            step = self._draft_step.get(0.0) if branching == 1 else self._tree_step.get(self._draft_step.get(0.0))
+            step = self.costs.draft_step.get(0.0)
+            step = step if branching == 1 else self.tree_step.get(step)
             values, depths = grow_values(self.tree_acceptance(min(branching, MAX_RANKS))[:depth_limit],
                                          self.max_nodes, branching, 1 if branching == 1 else width)
             expected = 1.0
@@ -194,23 +187,29 @@ class AutoTreeSize(AutoDraftLength):
                 rate = expected / (depth * step + self.block_seconds(count + 1))
                 if rate > best_rate:
                     best, best_rate = TreeChoice(count, depth, branching), rate
-        if best.num_nodes > 0 and self._is_drafting_slower():
+        if best.num_nodes > 0 and self.clock.is_drafting_slower():
             best = TreeChoice(0, depth_limit, 1)  # the cost model says draft, the clock says no
-        return self._chose_tree(best)
+        return self._chose_tree(best, growth)
 
-    def _chose_tree(self, choice: TreeChoice) -> TreeChoice:
+    def _seed_tree_step(self, width: int | None) -> None:
+        """Once: a tree level's draft pass starts from the probe's pass nearest the level's width (a step if none)."""
+        if self._probed_passes:
+            nearest = min(self._probed_passes, key=lambda size: abs(size - (width or 1)))
+            self.tree_step.add(self._probed_passes[nearest], self._seed_weight)
+            self._probed_passes = {}
+
+    def _chose_tree(self, choice: TreeChoice, growth: tuple[int, int | None]) -> TreeChoice:
         self._chose(choice.num_nodes)
-        self.chosen_branching.append(choice.branching or self.shape[0])
+        self.chosen_branching.append(choice.branching or growth[0])
         return choice
 
     def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
                     verify_seconds: float | None) -> None:
         """Learn from a finished round: the children the rule tried at each depth, and the round's timings."""
         for depth, rank, accepted in rank_outcomes(tree.parents, path):
-            if depth >= self.max_draft_tokens or rank >= MAX_RANKS:
+            if depth >= self.max_depth or rank >= MAX_RANKS:
                 continue
-            (self._accepted[depth] if rank == 0 else self._later[depth][rank - 1]).add(float(accepted))
+            (self.first if rank == 0 else self.later[rank - 1]).add(depth, accepted)
         is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
-        self._learn_costs(tree.num_nodes + 1, self._tree_step if is_tree else self._draft_step, draft_seconds,
+        self._learn_round(tree.num_nodes + 1, self.tree_step if is_tree else self.costs.draft_step, draft_seconds,
                           tree.num_model_steps, verify_seconds, 1.0 + len(path))
-        self._learn_exploration(tree.num_nodes > 0)

@@ -9,45 +9,49 @@ propose. The output law stays exactly the target's (tested against the enumerate
 only acceptance can drop, by the target probability that falls outside the kept ids.
 
 Where FR-Spec departs from this: it ranks ids by frequency in a large corpus (SlimPajama) and prunes EAGLE-2 heads;
-here the ranking comes from any texts through `datasets` (`frequent_token_ids`), preferably the target's own
-continuations of prompts that are never the evaluation prompts, and any draft model with a plain linear output layer
-can be pruned (`prune_vocabulary`).
+here the ranking comes from any texts (`hf_spec.loading.vocabulary`), preferably the target's own continuations of
+prompts that are never the evaluation prompts, and any draft model with a plain linear output layer can be pruned
+(`prune_vocabulary`). A pruned draft saves as an ordinary checkpoint (its full output layer), so ``from_pretrained``
+gives the unpruned draft back; prune it again after loading.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-
-from hf_spec.checks import check_int
 
 
 class PrunedOutputLayer(nn.Module):
     """An output layer computing only ``kept_ids``' rows; the other logits are ``-inf`` (probability 0).
 
     Args:
-        linear: the full output layer (``[vocab, hidden]`` weight); its rows for ``kept_ids`` are copied.
+        linear: the full output layer (``[vocab, hidden]`` weight): an ``nn.Linear``, or a layer of the same kind
+            (``weight``, ``bias``, ``in_features``, ``out_features``) that a draft head reads from its target; its rows
+            for ``kept_ids`` are copied into a layer of its kind.
         kept_ids: ``[N]`` int64 token ids, distinct, each below ``linear.out_features``.
     """
 
-    def __init__(self, linear: nn.Linear, kept_ids: torch.Tensor):
+    def __init__(self, linear: nn.Module, kept_ids: torch.Tensor):
         super().__init__()
         self.vocab_size = linear.out_features
-        self.register_buffer("kept_ids", kept_ids.to(torch.long))  # [N]
-        self.kept = nn.Linear(linear.in_features, len(kept_ids), bias=linear.bias is not None,
-                              dtype=linear.weight.dtype, device=linear.weight.device)
-        with torch.no_grad():
-            self.kept.weight.copy_(linear.weight[self.kept_ids])
-            if linear.bias is not None:
-                self.kept.bias.copy_(linear.bias[self.kept_ids])
-        self.kept.requires_grad_(linear.weight.requires_grad)  # see `hf_spec.loading.packed.PackedLinear`
+        self.register_buffer("kept_ids", kept_ids.to(torch.long), persistent=False)  # [N]
+        if isinstance(linear, nn.Linear):
+            self.kept = nn.Linear(linear.in_features, len(kept_ids), bias=linear.bias is not None,
+                                  dtype=linear.weight.dtype, device=linear.weight.device)
+            with torch.no_grad():
+                self.kept.weight.copy_(linear.weight[self.kept_ids])
+                if linear.bias is not None:
+                    self.kept.bias.copy_(linear.bias[self.kept_ids])
+            self.kept.requires_grad_(linear.weight.requires_grad)  # see `hf_spec.loading.packed.PackedLinear`
+        else:
+            self.kept = type(linear)(linear.weight[self.kept_ids],
+                                     None if linear.bias is None else linear.bias[self.kept_ids])
         self.full = linear  # kept for `restore_vocabulary`; not called (tied output layers share the embeddings)
+        self._register_state_dict_hook(self._dense_state)
+        self._register_load_state_dict_pre_hook(self._from_dense, with_module=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
         kept_logits = self.kept(hidden)  # [..., N]
@@ -56,6 +60,25 @@ class PrunedOutputLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{len(self.kept_ids)} of {self.vocab_size} ids"
+
+    @staticmethod
+    def _dense_state(module, state_dict, prefix, local_metadata) -> None:
+        """State-dict hook: the layer is saved as the full, dense one (``weight``, ``bias``), so a pruned draft's
+        checkpoint is an ordinary one; the kept rows are derived from it."""
+        for name in ("weight", "bias"):
+            full = state_dict.pop(prefix + "full." + name, None)
+            state_dict.pop(prefix + "kept." + name, None)
+            if full is not None:
+                state_dict[prefix + name] = full
+
+    @staticmethod
+    def _from_dense(module, state_dict, prefix, *args) -> None:
+        """Load hook: a dense layer's ``weight`` (and ``bias``) fills the full layer and the kept rows."""
+        for name in ("weight", "bias"):
+            value = state_dict.pop(prefix + name, None)
+            if value is not None:
+                state_dict[prefix + "full." + name] = value
+                state_dict[prefix + "kept." + name] = value[module.kept_ids.to(value.device)]
 
 
 def prune_vocabulary(draft: PreTrainedModel, kept_ids: torch.Tensor | Iterable[int]) -> PreTrainedModel:
@@ -77,15 +100,25 @@ def prune_vocabulary(draft: PreTrainedModel, kept_ids: torch.Tensor | Iterable[i
         if getattr(draft.config.get_text_config(), attribute, None) not in (None, 1, 1.0):
             raise ValueError(f"`assistant_model` scales its logits ({attribute}); a pruned vocabulary is not "
                              "supported for it.")
-    ids = torch.as_tensor(list(kept_ids) if not isinstance(kept_ids, torch.Tensor) else kept_ids, dtype=torch.long)
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(f"`draft_vocab` must be a non-empty list of token ids, but has shape {tuple(ids.shape)}.")
-    if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= output.out_features:
-        raise ValueError(f"`draft_vocab` must hold distinct ids in [0, {output.out_features}), but holds "
-                         f"{ids.numel()} ids from {int(ids.min())} to {int(ids.max())}, "
-                         f"{ids.numel() - ids.unique().numel()} repeated.")
+    ids = check_kept_ids(kept_ids, output.out_features)
     draft.set_output_embeddings(PrunedOutputLayer(output, ids.sort().values.to(output.weight.device)))
     return draft
+
+
+def check_kept_ids(kept_ids: torch.Tensor | Iterable[int], num_ids: int) -> torch.Tensor:
+    """``kept_ids`` as ``[N]`` int64: distinct integer ids in ``[0, num_ids)``; a clear error naming ``draft_vocab``
+    otherwise (floats are refused, not truncated)."""
+    ids = torch.as_tensor(list(kept_ids) if not isinstance(kept_ids, torch.Tensor) else kept_ids)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"`draft_vocab` must be a non-empty list of token ids, but has shape {tuple(ids.shape)}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"`draft_vocab` must hold integer token ids, but holds {ids.dtype} values such as "
+                         f"{ids[:3].tolist()}.")
+    ids = ids.long()
+    if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= num_ids:
+        raise ValueError(f"`draft_vocab` must hold distinct ids in [0, {num_ids}), but holds {ids.numel()} ids from "
+                         f"{int(ids.min())} to {int(ids.max())}, {ids.numel() - ids.unique().numel()} repeated.")
+    return ids
 
 
 def restore_vocabulary(draft: PreTrainedModel) -> PreTrainedModel:
@@ -100,40 +133,3 @@ def pruned_size(draft: PreTrainedModel) -> int | None:
     """How many ids ``draft`` computes logits for, or ``None`` when it is not pruned."""
     output = draft.get_output_embeddings()
     return len(output.kept_ids) if isinstance(output, PrunedOutputLayer) else None
-
-
-def token_counts(tokenizer, texts: Iterable[str]) -> collections.Counter:
-    """How often each token id occurs in ``texts``, tokenized with ``datasets`` (batched, cached by fingerprint)."""
-    import datasets
-
-    texts = [text for text in texts if text]
-    if not texts:
-        raise ValueError("No text to count tokens in: the corpus is empty.")
-    dataset = datasets.Dataset.from_dict({"text": texts})
-    ids = dataset.map(lambda batch: {"ids": tokenizer(batch["text"], add_special_tokens=False)["input_ids"]},
-                      batched=True, remove_columns=["text"], desc="counting tokens")
-    counts = collections.Counter()
-    for row in ids["ids"]:
-        counts.update(row)
-    return counts
-
-
-def frequent_token_ids(counts: collections.Counter, size: int, always: Iterable[int] = ()) -> list[int]:
-    """The ``size`` most frequent ids (ties by id), with the ``always`` ids (EOS and other special tokens) in."""
-    check_int("draft_vocab", size)
-    always = list(dict.fromkeys(always))
-    ranked = [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-              if token not in always]
-    if size < len(always):
-        raise ValueError(f"`draft_vocab` ({size}) must be at least the {len(always)} special ids kept always.")
-    return sorted(always + ranked[: size - len(always)])
-
-
-def save_token_counts(counts: collections.Counter, path: str | Path, source: str) -> None:
-    """Write a frequency table (JSON: the corpus it came from, and id -> count) beside the draft."""
-    Path(path).write_text(json.dumps({"source": source, "counts": {str(k): v for k, v in counts.most_common()}}))
-
-
-def load_token_counts(path: str | Path) -> collections.Counter:
-    table = json.loads(Path(path).read_text())
-    return collections.Counter({int(k): v for k, v in table["counts"].items()})

@@ -13,6 +13,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hf_spec.loading.vocabulary import eos_token_ids
+
 
 def with_greedy_default(settings: dict | None) -> dict:
     """Decoding settings as ``generate()`` takes them; greedy unless ``settings`` says ``do_sample=True``."""
@@ -26,12 +28,6 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
-
-
-def eos_token_ids(model: PreTrainedModel) -> set[int]:
-    """The ids that end ``model``'s generations (its ``generation_config.eos_token_id``)."""
-    eos = model.generation_config.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
 def count_new_tokens(new_ids: torch.Tensor, eos_ids: set[int]) -> int:

@@ -2,10 +2,9 @@
 
 - `model`: `DraftHead` and `DraftHeadConfig`, a transformers model (``save_pretrained`` / ``from_pretrained``, and
   ``AutoModel`` once this package is imported);
-- `training`: the training set of target features (``datasets``, cached on disk) and `train_head` (``Trainer``).
-
-The drafter that runs a head inside the loop is `hf_spec.drafting.head.HeadDrafter`; ``generate(assistant_model=head)``
-builds it.
+- `training`: the training set of target features (``datasets``, cached on disk) and `train_head` (``Trainer``);
+- `drafter`: `HeadDrafter` and `HeadTreeDrafter`, what runs a head inside the loop; ``generate(assistant_model=head)``
+  builds one through `DraftHead.hf_spec_drafter` (`hf_spec.drafting.base.DraftSource`).
 """
 
 from transformers import AutoConfig, AutoModel

@@ -17,20 +17,23 @@ target's config (so attention, rotary positions and the KV cache are transformer
 last layers, with its own final norm (EAGLE-1 feeds the un-normed state to the LM head); the embeddings and LM head
 are frozen copies of the target's, saved with the head (simple to load, at the cost of the embedding's size on disk),
 and the LM head can be pruned to frequent ids (`hf_spec.drafting.vocabulary`, FR-Spec). Training
-(`hf_spec.heads.training`) matches the target's law at the next position, plus the feature for EAGLE-1 heads.
+(`hf_spec.evaluation.head_training`) matches the target's law at the next position, plus the feature for EAGLE-1 heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from hf_spec.drafting.vocabulary import prune_vocabulary
+from hf_spec.drafting.vocabulary import PrunedOutputLayer, check_kept_ids
+from hf_spec.heads.drafter import HeadDrafter, HeadTreeDrafter
+from hf_spec.heads.shared import FrozenEmbedding, FrozenLinear, target_layers
 
 
 class DraftHeadConfig(PretrainedConfig):
@@ -67,6 +70,10 @@ class DraftHeadConfig(PretrainedConfig):
 
     def decoder_config(self) -> PretrainedConfig:
         decoder = dict(self.decoder)
+        if "model_type" not in decoder:
+            raise ValueError(f"This DraftHeadConfig has no decoder settings (`decoder` is {self.decoder!r}): it was "
+                             "not written by DraftHead.save_pretrained. Build the head with DraftHead.from_target "
+                             "(or `hf-spec train-head`).")
         return AutoConfig.for_model(decoder.pop("model_type"), **decoder)
 
 
@@ -79,7 +86,7 @@ class DraftHeadOutput:
 class DraftHead(PreTrainedModel):
     """A draft head for one target: ``fc`` over [embedding; features], then a small decoder of the target's kind.
 
-    Build one with `DraftHead.from_target`, train it with `hf_spec.heads.training.train_head`, and pass it as
+    Build one with `DraftHead.from_target`, train it with `hf_spec.evaluation.head_training.train_head`, and pass it as
     ``assistant_model`` to a `speculative` target's ``generate()``; ``save_pretrained`` / ``from_pretrained`` work as
     for any transformers model.
     """
@@ -90,20 +97,42 @@ class DraftHead(PreTrainedModel):
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
-        self.decoder = AutoModelForCausalLM.from_config(config.decoder_config())
+        decoder_config = config.decoder_config()
+        # the embeddings and the LM head are the target's (`attach`): the decoder is built without its own
+        decoder_config.vocab_size, decoder_config.pad_token_id = 1, None
+        self.decoder = AutoModelForCausalLM.from_config(decoder_config)
+        self.decoder.set_input_embeddings(FrozenEmbedding())
+        self.decoder.set_output_embeddings(FrozenLinear())
         hidden, num_features = config.target_hidden_size, len(config.feature_layers)
         self.fuse = nn.Linear(hidden * num_features, hidden, bias=False) if num_features > 1 else nn.Identity()
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.post_init()
-        if config.kept_ids is not None:  # from_pretrained builds on the meta device: the ids are checked on the CPU
-            with torch.device("cpu"):
-                prune_vocabulary(self, torch.tensor(config.kept_ids, dtype=torch.long))
+        self._target: weakref.ref | None = None  # the model `attach` read the embeddings and LM head from
+
+    def attach(self, target: PreTrainedModel) -> DraftHead:
+        """Read the embeddings and the LM head from ``target`` (checked to be the target this head was built for),
+        in the head's dtype and device: the target's own tensors when those match, never a saved copy. The LM head
+        keeps only ``config.kept_ids`` when set (FR-Spec). Returns the head."""
+        self.check_target(target)
+        embedding, output = target_layers(target, self.fc.weight.dtype, self.fc.weight.device, self.config.kept_ids)
+        self.decoder.set_input_embeddings(embedding)
+        self.decoder.set_output_embeddings(output)
+        self._target = weakref.ref(target)
+        return self
+
+    def is_attached_to(self, target: PreTrainedModel) -> bool:
+        return self._target is not None and self._target() is target
 
     def prune(self, kept_ids: list[int]) -> DraftHead:
         """Keep only ``kept_ids`` in the LM head (FR-Spec, `hf_spec.drafting.vocabulary`), recorded in the config so
-        that ``from_pretrained`` rebuilds the same head; returns the head."""
-        prune_vocabulary(self, kept_ids)
-        self.config.kept_ids = sorted(int(i) for i in kept_ids)
+        that the head reads the same rows from its target after ``from_pretrained``; returns the head."""
+        ids = check_kept_ids(kept_ids, self.config.target_vocab_size)
+        self.config.kept_ids = sorted(int(i) for i in ids.tolist())
+        output = self.get_output_embeddings()
+        full = output.full if isinstance(output, PrunedOutputLayer) else output
+        if full.weight.dim() == 2:  # attached: prune the layer read from the target now
+            self.set_output_embeddings(PrunedOutputLayer(full, torch.tensor(self.config.kept_ids,
+                                                                            device=full.weight.device)))
         return self
 
     @classmethod
@@ -122,24 +151,16 @@ class DraftHead(PreTrainedModel):
         decoder.pop("layer_types", None)  # sized for the target's layer count; rebuilt by the config
         config = DraftHeadConfig(decoder, feature_layers, text.num_hidden_layers, text.hidden_size, text.vocab_size,
                                  getattr(target, "name_or_path", "") or "")
-        head = cls(config).to(dtype=target.dtype, device=target.device)
+        head = cls(config).to(dtype=target.dtype, device=target.device).attach(target)
         source = target.get_decoder()
         with torch.no_grad():
             head.decoder.get_decoder().layers.load_state_dict(source.layers[-num_layers:].state_dict())
             head.decoder.get_decoder().norm.load_state_dict(source.norm.state_dict())
-            head.decoder.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
-            head.decoder.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight)
             eye = torch.eye(text.hidden_size, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
             head.fc.weight.copy_(torch.cat([eye, eye], dim=1))  # embedding + fused features
             if isinstance(head.fuse, nn.Linear):
                 head.fuse.weight.copy_(torch.cat([eye / len(feature_layers)] * len(feature_layers), dim=1))
-        head.freeze_target_parts()
         return head.eval()
-
-    def freeze_target_parts(self) -> None:
-        """The embeddings and LM head stay the target's: only ``fc``, the decoder layers and the norm train."""
-        self.decoder.get_input_embeddings().requires_grad_(False)
-        self.decoder.get_output_embeddings().requires_grad_(False)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear) and module in (getattr(self, "fc", None), getattr(self, "fuse", None)):
@@ -179,6 +200,11 @@ class DraftHead(PreTrainedModel):
         ).last_hidden_state  # [batch, m, hidden]
         kept = states[:, -logits_to_keep:] if logits_to_keep else states
         return DraftHeadOutput(logits=self.get_output_embeddings()(kept), hidden_states=states)
+
+    def hf_spec_drafter(self, *, tree: bool):
+        """What ``generate(assistant_model=head)`` drafts with (`hf_spec.drafting.base.DraftSource`): a
+        `HeadDrafter`, or a `HeadTreeDrafter` with ``num_tree_nodes``."""
+        return HeadTreeDrafter(self) if tree else HeadDrafter(self)
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Refuse a target other than the one this head was built for (its layer count, width or vocabulary)."""

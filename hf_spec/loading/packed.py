@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import logging
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -37,7 +38,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
+from hf_spec.checks import check_int, is_int_at_least
+from hf_spec.drafting.costs import forget_costs
 from hf_spec.loading.cpu import release_freed_memory
+from hf_spec.loading.dispatch import dispatching, stop_dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +87,24 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
 
+    def train(self, mode: bool = True) -> PackedLinear:
+        """Refused: a packed weight is a buffer, so training would leave it untouched (no gradient, no error)."""
+        if mode:
+            raise RuntimeError(PACKED_REFUSAL.format(action="be trained (a packed weight gets no gradient)"))
+        return super().train(False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(...)``, ``.half()``, ``.cuda()``: oneDNN's layout supports none of them; say so by name."""
+        try:
+            return super()._apply(fn, recurse)
+        except (NotImplementedError, RuntimeError) as error:
+            raise RuntimeError(PACKED_REFUSAL.format(action="change dtype or device")) from error
+
+
+#: The error for what a packed layer cannot do.
+PACKED_REFUSAL = ("This model's linear layers are packed for oneDNN (hf_spec.loading.packed.optimize) and cannot "
+                  "{action}. Call hf_spec.loading.packed.deoptimize(model) first: it restores the same dense weights.")
+
 
 @dataclasses.dataclass
 class CpuPath:
@@ -102,25 +124,29 @@ class CpuPath:
 
 def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", widths: list[int] | None = None,
              repeats: int = 3) -> CpuPath:
-    """Put ``model`` on its fastest CPU forward path, in place, and return what was chosen (also kept as
-    ``model.hf_spec_cpu_path``).
+    """Put ``model`` on its fastest CPU forward path, in place, and return what was chosen (`cpu_path` gives it
+    back later).
 
     Args:
         path: ``"auto"`` measures ``stock``, ``dense`` and ``packed`` and keeps the fastest; or one of `PATHS`.
         role: ``"target"`` weighs a 1-token step and the blocks in ``widths`` alike; ``"steps"`` the step alone.
-        widths: tokens per timed pass (default: 1, 2, 4, 6, 8 for a target, 1 and 2 for steps).
+        widths: tokens per timed pass, at most `PREFIX_LENGTH` (default: 1, 2, 4, 6, 8 for a target, 1 and 2 for
+            steps).
+        repeats: timed passes per width and candidate (the median is kept).
     """
     if path not in ("auto", *PATHS):
         raise ValueError(f"`path` must be 'auto' or one of {PATHS}, but is {path!r}.")
     if role not in ROLES:
         raise ValueError(f"`role` must be one of {ROLES}, but is {role!r}.")
+    check_int("repeats", repeats)
+    widths = widths or ([1, 2, 4, 6, 8] if role == "target" else [1, 2])
+    if 1 not in widths or not all(is_int_at_least(width, 1) and width <= PREFIX_LENGTH for width in widths):
+        raise ValueError(f"`widths` must be token counts in [1, {PREFIX_LENGTH}] including 1 (the step), but is "
+                         f"{widths!r}.")
     deoptimize(model)
     refusal = _unsupported(model)
     if refusal:
         return _keep(model, CpuPath("stock", 0, reason=refusal))
-    widths = widths or ([1, 2, 4, 6, 8] if role == "target" else [1, 2])
-    if 1 not in widths:
-        raise ValueError(f"`widths` must include 1 (the step), but is {widths!r}.")
     seconds = {}
     if path == "auto":
         dense = time_passes(model, widths, repeats)
@@ -130,27 +156,35 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
             reason = "oneDNN cannot prepack this dtype on this CPU"
             if path == "packed":
                 return _keep(model, CpuPath("stock", 0, reason=reason))
-            return _keep(model, _dispatching(model, CpuPath("dense", _aten_rows(dense), seconds, reason)))
+            return _keep(model, dispatching(model, CpuPath("dense", _aten_rows(dense), seconds, reason)))
         if path == "packed":
-            return _keep(model, _dispatching(model, CpuPath("packed", 1)))
+            return _keep(model, dispatching(model, CpuPath("packed", 1)))
         packed = time_passes(model, widths, repeats)
         seconds["packed"] = _fastest(packed)
         if _score(seconds["packed"], role) < _score(seconds["dense"], role):
-            return _keep(model, _dispatching(model, CpuPath("packed", _aten_rows(packed), seconds)))
+            return _keep(model, dispatching(model, CpuPath("packed", _aten_rows(packed), seconds)))
         _unpack(model)
-        return _keep(model, _dispatching(model, CpuPath("dense", _aten_rows(dense), seconds)))
+        return _keep(model, dispatching(model, CpuPath("dense", _aten_rows(dense), seconds)))
     if path == "dense":
-        return _keep(model, _dispatching(model, CpuPath("dense", 1)))
+        return _keep(model, dispatching(model, CpuPath("dense", 1)))
     return _keep(model, CpuPath("stock", 0))
 
 
 def deoptimize(model: PreTrainedModel) -> None:
     """Undo `optimize`: dense linear layers (the same values) and no kernel dispatch."""
-    for handle in getattr(model, "_hf_spec_dispatch_handles", ()):
-        handle.remove()
-    model._hf_spec_dispatch_handles = ()
+    stop_dispatch(model)
     _unpack(model)
-    model.hf_spec_cpu_path = None
+    _PATHS.pop(model, None)
+    forget_costs(model)
+
+
+def cpu_path(model: PreTrainedModel) -> CpuPath | None:
+    """The path `optimize` chose for ``model``, or ``None`` when it was not optimized (or `deoptimize` ran)."""
+    return _PATHS.get(model)
+
+
+#: What `optimize` chose per model: held here, never written onto the model.
+_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _unsupported(model: PreTrainedModel) -> str:
@@ -202,28 +236,9 @@ def _unpack(model: nn.Module) -> None:
                 setattr(parent, name, child.to_linear())
 
 
-def _dispatching(model: PreTrainedModel, path: CpuPath) -> CpuPath:
-    """Run passes of at most ``path.aten_max_rows`` rows with oneDNN switched off (restored after every pass)."""
-    saved = []
-
-    def before(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        rows = ids.numel() if ids is not None else kwargs["inputs_embeds"].shape[:-1].numel()
-        saved.append(torch.backends.mkldnn.enabled)
-        torch.backends.mkldnn.enabled = rows > path.aten_max_rows
-
-    def after(module, args, output):
-        if saved:
-            torch.backends.mkldnn.enabled = saved.pop()
-
-    if path.aten_max_rows > 0:
-        model._hf_spec_dispatch_handles = (model.register_forward_pre_hook(before, with_kwargs=True),
-                                           model.register_forward_hook(after, always_call=True))
-    return path
-
-
 def _keep(model: PreTrainedModel, path: CpuPath) -> CpuPath:
-    model.hf_spec_cpu_path = path.name
+    _PATHS[model] = path
+    forget_costs(model)  # the probe's costs were measured on the kernels the model had before
     logger.info(path.describe())
     return path
 

@@ -16,23 +16,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.checks import check_int
-from hf_spec.drafting.vocabulary import (
-    frequent_token_ids,
-    load_token_counts,
-    prune_vocabulary,
-    pruned_size,
-    save_token_counts,
-    token_counts,
-)
-from hf_spec.evaluation.continuations import eos_token_ids
-from hf_spec.evaluation.corpora import load_texts
+from hf_spec.drafting.vocabulary import prune_vocabulary, pruned_size
 from hf_spec.heads.model import DraftHead, is_draft_head_folder
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.packed import CpuPath, optimize
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir, is_converted, load
 from hf_spec.loading.quantization import first_device, quantized_copy
 from hf_spec.loading.tiny import build_tiny_pair
+from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.mixin import speculative
 from hf_spec.validation import check_same_vocabulary
 
@@ -105,7 +96,7 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             quantized target is spread by ``device_map="auto"``, and the draft goes to its first device.
         draft_dtype: the draft's weights when they should differ (training keeps float32).
         draft_vocab: keep only the draft's N most frequent output ids (FR-Spec, `hf_spec.drafting.vocabulary`),
-            ranked on ``draft_vocab_corpus`` (a `hf_spec.evaluation.corpora` source; the counts are saved beside the
+            ranked on ``draft_vocab_corpus`` (a `hf_spec.loading.corpora` source; the counts are saved beside the
             draft and reused). The tiny pair keeps ids 0 .. N - 1.
         seed: seeds the tiny pair's weights.
 
@@ -157,7 +148,7 @@ def _load_with_head(target: str, head_folder: str, dtype: torch.dtype, quantize:
         target_model, tokenizer = load(target, dtype=dtype, quantize=quantize)
     head = DraftHead.from_pretrained(head_folder).to(dtype=target_model.dtype, device=first_device(target_model))
     try:
-        head.check_target(target_model)
+        head.attach(target_model)
     except ValueError as error:
         raise ValueError(f"`draft` {head_folder!r} does not fit `target` {target!r}: {error}") from None
     pair = Pair(speculative(target_model), head.eval(), tokenizer)
@@ -165,23 +156,6 @@ def _load_with_head(target: str, head_folder: str, dtype: torch.dtype, quantize:
         pair.target_path = optimize(pair.target, role="target")
         pair.draft_path = optimize(pair.draft, path="dense", role="steps")
     return pair
-
-
-def draft_vocabulary(draft: PreTrainedModel, tokenizer, size: int, corpus: str) -> list[int]:
-    """The ``size`` ids the draft keeps: the most frequent in ``corpus`` (counted once, saved beside the draft as
-    ``token_counts-<corpus>.json``), with the tokenizer's special ids and the draft's EOS always in."""
-    check_int("draft_vocab", size)
-    if tokenizer is None:  # the tiny pair: no text to count
-        return list(range(min(size, draft.get_output_embeddings().out_features)))
-    folder = Path(draft.name_or_path) if Path(draft.name_or_path).is_dir() else cache_dir()
-    path = folder / f"token_counts-{Path(corpus).name}.json"
-    if path.exists():
-        counts = load_token_counts(path)
-    else:
-        counts = token_counts(tokenizer, load_texts(corpus))
-        save_token_counts(counts, path, corpus)
-    always = set(tokenizer.all_special_ids) | eos_token_ids(draft)
-    return frequent_token_ids(counts, size, always=sorted(always))
 
 
 def place_draft(draft: PreTrainedModel, target: PreTrainedModel, draft_quantization: str | None) -> PreTrainedModel:

@@ -59,16 +59,14 @@ def noisy_copy(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCaus
 
 
 def build_tiny_pair(seed: int = 0, draft_noise: float = 0.03) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """``(target, draft)``: a speculative-ready random Llama (vocabulary 64) and a perturbed copy of it.
+    """``(target, draft)``: a random Llama (vocabulary 64) and a perturbed copy of it.
 
     Args:
         seed: seeds the target's weights and the draft's perturbation.
         draft_noise: the perturbation, relative to each weight tensor's standard deviation; larger values lower the
             acceptance rate.
     """
-    from hf_spec.mixin import speculative
-
     if draft_noise < 0:
         raise ValueError(f"`draft_noise` must be >= 0, but is {draft_noise}.")
     target = build_tiny_model(seed, head_scale=5.0, weight_std=0.1)
-    return speculative(target), noisy_copy(target, seed + 1, draft_noise)
+    return target, noisy_copy(target, seed + 1, draft_noise)

@@ -203,7 +203,6 @@ def train_head(target: PreTrainedModel, train_dataset, eval_dataset, output_dir:
                           callbacks=[EarlyStoppingCallback(early_stopping_patience=patience)])
     trainer.train()
     head = trainer.accelerator.unwrap_model(trainer.model).eval()
-    head.freeze_target_parts()
     if trainer.is_world_process_zero():
         head.save_pretrained(str(output_dir))
     return head, trainer.state.log_history

@@ -23,23 +23,61 @@ which the tree's verify pass hands over for the path's nodes.
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
+from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, stack_laws
 from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
+from hf_spec.drafting.costs import synchronize
 from hf_spec.forward import extend_mask, tree_attention_mask
-from hf_spec.heads.model import DraftHead
 from hf_spec.rows import RaggedBatch
 
 
 class HeadDrafter(Drafter):
     """Drafts with a `DraftHead` from the target's hidden states (``generate(assistant_model=head)`` builds it)."""
 
-    def __init__(self, head: DraftHead):
-        self.head = head
+    def __init__(self, head):
+        self.head = head  # a `hf_spec.heads.model.DraftHead`
         self.feature_layers = list(head.config.feature_layers)
         self.reset()
+
+    def check(self, target: PreTrainedModel, max_length: int) -> None:
+        """The head must be on the target's device and built for it; it then reads the target's embeddings and LM
+        head (`hf_spec.heads.model.DraftHead.attach`), once per target."""
+        if self.head.device != target.device:
+            raise ValueError(f"`assistant_model` (a draft head) is on {self.head.device} but the model is on "
+                             f"{target.device}; move it with `head.to({str(target.device)!r})`.")
+        if not self.head.is_attached_to(target):
+            self.head.attach(target)
+
+    @property
+    def cost_key(self):
+        return self.head
+
+    @torch.no_grad()
+    def measure_passes(self, prefix_ids: torch.Tensor, widths: list[int], repeats: int) -> dict[int, float]:
+        """Median seconds of a head step (tokens fed with the head's own predicted features) on top of a cached
+        ``prefix_ids`` ``[1, S]`` read with (zero) target features."""
+        head, prefix_ids = self.head, prefix_ids.to(self.head.device)
+        cache = new_cache(head.decoder)
+        width = head.config.target_hidden_size * len(head.config.feature_layers)
+        features = torch.zeros((*prefix_ids.shape, width), dtype=head.dtype, device=prefix_ids.device)
+        predicted = head(prefix_ids, features=features, cache=cache, logits_to_keep=1).hidden_states[:, -1:]
+        prefix, seconds = cache_length(cache), {size: [] for size in widths}
+        for _ in range(repeats):
+            for size in widths:
+                synchronize(head.device)
+                started = time.perf_counter()
+                head(prefix_ids[:, -1:].expand(-1, size), predicted=predicted.expand(-1, size, -1), cache=cache,
+                     logits_to_keep=size)
+                synchronize(head.device)
+                seconds[size].append(time.perf_counter() - started)
+                crop_to(cache, prefix)
+        return {size: float(np.median(values)) for size, values in seconds.items()}
 
     def reset(self) -> None:
         self.cache = new_cache(self.head.decoder)
@@ -129,7 +167,7 @@ class HeadTreeDrafter(HeadDrafter, BranchingTreeDrafter):
             over a single node, so by default it expands the two best nodes of each level.
     """
 
-    def __init__(self, head: DraftHead, branching: int = 2, width: int = 2, replacement: bool = False):
+    def __init__(self, head, branching: int = 2, width: int = 2, replacement: bool = False):
         HeadDrafter.__init__(self, head)
         BranchingTreeDrafter.__init__(self, branching, width, replacement)
 

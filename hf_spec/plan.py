@@ -1,0 +1,188 @@
+"""What a speculative ``generate()`` call asks for, resolved once: the drafter, the round's shape and its sizer.
+
+`plan_call` reads the call's speculative settings and returns the `hf_spec.rounds.Rounds` the loop runs. The drafter
+(`make_drafter`), by what is passed:
+
+| ``assistant_model`` | ``prompt_lookup_num_tokens`` | chain (``num_tree_nodes`` unset) | tree (``num_tree_nodes``) |
+|---|---|---|---|
+| a `Drafter` of your own | ignored by it | the drafter | the drafter, if a `TreeDrafter` |
+| a `DraftSource` (a draft head) | refused | its chain drafter | its tree drafter |
+| a model | unset | `ModelDrafter` | `ModelTreeDrafter` |
+| a model | n | `LookupThenModel` | refused |
+| none | n | `PromptLookupDrafter` | `SuffixDrafter` |
+
+The sizer: k from ``num_assistant_tokens`` (an integer, ``"auto"`` or an `AutoDraftLength`) for a chain; a node
+budget from ``num_tree_nodes`` (an integer, ``"auto"`` or an `AutoTreeSize`) for a tree, ``num_assistant_tokens``
+then capping its depth. Where each setting is read from, first found first: the ``generate()`` call, the
+``generation_config`` passed to it, the target's ``generation_config``, the draft's (`user_settings`). An automatic
+sizer starts from the probed costs (`start_sizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from hf_spec.checks import check_int, is_int_at_least
+from hf_spec.drafting.base import Drafter, DraftSource
+from hf_spec.drafting.costs import probe_costs, probe_sizes
+from hf_spec.drafting.draft_length import (
+    DEFAULT_MAX_DRAFT_TOKENS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    AutoDraftLength,
+    FixedDraftLength,
+)
+from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
+from hf_spec.drafting.model import ModelDrafter
+from hf_spec.drafting.model_tree import ModelTreeDrafter
+from hf_spec.drafting.online import OnlineSizer
+from hf_spec.drafting.suffix import SuffixDrafter
+from hf_spec.drafting.tree import TreeDrafter
+from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
+from hf_spec.rounds import ChainRounds, Rounds, TreeRounds
+
+#: Suffix matching looks for longer matches than prompt lookup's default 2: they choose better continuations.
+SUFFIX_NGRAM_SIZE = 4
+#: The settings hf_spec reads itself, beside transformers' merged generation config.
+READ_SETTINGS = ("num_assistant_tokens", "num_tree_nodes")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+    """The hf_spec side of one ``generate()`` call: what transformers' kwargs handling would reject or merge away."""
+
+    generator: torch.Generator | None = None
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # `READ_SETTINGS` the user set, by name
+
+
+def user_settings(kwargs: dict, generation_config: GenerationConfig | None, target: PreTrainedModel,
+                  draft: Any) -> dict[str, Any]:
+    """Each of `READ_SETTINGS` from the first place that sets it: the call's ``kwargs``, the ``generation_config``
+    passed, the target's ``generation_config``, the draft's (transformers reads only the draft's)."""
+    sources = [kwargs, generation_config, target.generation_config, getattr(draft, "generation_config", None)]
+    found = {}
+    for name in READ_SETTINGS:
+        for source in sources:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if value is not None:
+                found[name] = value
+                break
+    return found
+
+
+def plan_call(assistant_model: Any, generation_config: GenerationConfig, options: CallOptions) -> Rounds:
+    """The round shape, drafter and sizer of a call; errors name the argument and its value."""
+    lookup_tokens, ngram_size = resolve_prompt_lookup(generation_config)
+    num_assistant_tokens = options.settings.get("num_assistant_tokens")
+    num_tree_nodes = options.settings.get("num_tree_nodes")
+    is_tree = num_tree_nodes is not None
+    drafter = make_drafter(assistant_model, tree=is_tree, prompt_lookup_num_tokens=lookup_tokens, ngram_size=ngram_size)
+    if is_tree:
+        return TreeRounds(drafter, resolve_tree_size(num_tree_nodes, num_assistant_tokens, lookup_tokens))
+    return ChainRounds(drafter, resolve_num_draft_tokens(num_assistant_tokens, lookup_tokens))
+
+
+def make_drafter(assistant_model: Any, *, tree: bool = False, prompt_lookup_num_tokens: int | None = None,
+                 ngram_size: int = 2) -> Drafter:
+    """The drafter ``assistant_model`` and prompt lookup ask for (the module docstring's table)."""
+    if isinstance(assistant_model, Drafter):
+        if tree and not isinstance(assistant_model, TreeDrafter):
+            raise TypeError(f"`num_tree_nodes` needs a drafter that proposes trees (a TreeDrafter), but "
+                            f"`assistant_model` is a {type(assistant_model).__name__}.")
+        return assistant_model
+    if isinstance(assistant_model, DraftSource):
+        if prompt_lookup_num_tokens is not None:
+            raise ValueError(f"`prompt_lookup_num_tokens` with a draft head ({type(assistant_model).__name__}) as "
+                             "`assistant_model` is not supported: pass one of them.")
+        return assistant_model.hf_spec_drafter(tree=tree)
+    if assistant_model is not None and not isinstance(assistant_model, PreTrainedModel):
+        raise TypeError(f"`assistant_model` must be a transformers PreTrainedModel or an hf_spec Drafter, but is "
+                        f"{type(assistant_model).__name__}.")
+    if assistant_model is None:
+        if tree:
+            return SuffixDrafter(max_ngram_size=max(SUFFIX_NGRAM_SIZE, ngram_size))
+        return PromptLookupDrafter(max_ngram_size=ngram_size)
+    if prompt_lookup_num_tokens is None:
+        return ModelTreeDrafter(assistant_model) if tree else ModelDrafter(assistant_model)
+    if tree:
+        raise ValueError("`num_tree_nodes` with both `assistant_model` and `prompt_lookup_num_tokens` is not "
+                         "supported: pass one of them (the draft model's tree, or suffix matching).")
+    return LookupThenModel(PromptLookupDrafter(max_ngram_size=ngram_size), ModelDrafter(assistant_model))
+
+
+def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) -> None:
+    """An automatic sizer without costs starts from the probe's (once per process and models): target passes up to
+    the largest the call can use, and the drafter's step (a tree's drafter: its level width too)."""
+    sizer = rounds.sizer
+    if not isinstance(sizer, OnlineSizer) or sizer.has_costs:
+        return
+    if isinstance(rounds, TreeRounds):
+        largest, widths = sizer.max_nodes + 1, (1, rounds.drafter.growth[1] or 1)
+    else:
+        largest, widths = sizer.max_draft_tokens + 1, (1,)
+    sizes = probe_sizes(min(largest, max_new_tokens + 1))
+    sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths))
+
+
+def resolve_num_draft_tokens(value: Any, prompt_lookup_num_tokens: int | None = None
+                             ) -> FixedDraftLength | AutoDraftLength:
+    """How k is chosen: ``num_assistant_tokens`` (as `user_settings` found it), else ``prompt_lookup_num_tokens``,
+    else `DEFAULT_NUM_DRAFT_TOKENS`. ``"auto"`` makes a new `AutoDraftLength` (at most ``prompt_lookup_num_tokens``
+    tokens with prompt lookup); an `AutoDraftLength` instance is used as is, keeping what it learnt in earlier calls."""
+    if value is None:
+        value = prompt_lookup_num_tokens
+    if value is None:
+        return FixedDraftLength(DEFAULT_NUM_DRAFT_TOKENS)
+    if isinstance(value, AutoDraftLength):
+        return value
+    if isinstance(value, str) and value == "auto":
+        return AutoDraftLength(max_draft_tokens=prompt_lookup_num_tokens or DEFAULT_MAX_DRAFT_TOKENS)
+    if not is_int_at_least(value, 1):
+        raise ValueError(
+            f"`num_assistant_tokens` (the draft block length k) must be a positive integer, 'auto' or an "
+            f"AutoDraftLength, but is {value!r} ({type(value).__name__})."
+        )
+    return FixedDraftLength(int(value))
+
+
+def resolve_tree_size(num_tree_nodes: Any, num_assistant_tokens: Any,
+                      prompt_lookup_num_tokens: int | None) -> FixedTreeSize | AutoTreeSize:
+    """How each round's tree is sized: ``num_tree_nodes`` nodes at most (an integer), or ``"auto"`` (a new
+    `AutoTreeSize`; an instance is used as is, keeping what it learnt). The depth limit is ``num_assistant_tokens``,
+    else ``prompt_lookup_num_tokens``, else the node budget (``"auto"``: `DEFAULT_MAX_DRAFT_TOKENS`)."""
+    check_tree_nodes(num_tree_nodes)
+    if isinstance(num_tree_nodes, AutoTreeSize):
+        return num_tree_nodes
+    depth = num_assistant_tokens if is_int_at_least(num_assistant_tokens, 1) else prompt_lookup_num_tokens
+    if num_tree_nodes == "auto":
+        if num_assistant_tokens not in (None, "auto") and not is_int_at_least(num_assistant_tokens, 1):
+            raise ValueError(f"`num_assistant_tokens` caps a tree's depth: a positive integer, 'auto' or unset, "
+                             f"but is {num_assistant_tokens!r}.")
+        return AutoTreeSize(max_depth=depth or DEFAULT_MAX_DRAFT_TOKENS)
+    if num_assistant_tokens is not None and not is_int_at_least(num_assistant_tokens, 1):
+        raise ValueError(
+            f"`num_assistant_tokens` is {num_assistant_tokens!r}; with a fixed `num_tree_nodes` it caps the tree's "
+            "depth and must be a positive integer. Pass `num_tree_nodes='auto'` to let the tree's size and depth "
+            "follow measured acceptance and costs."
+        )
+    return FixedTreeSize(num_tree_nodes, depth or num_tree_nodes)
+
+
+def check_tree_nodes(num_tree_nodes: Any) -> None:
+    """``num_tree_nodes`` must be a positive integer, ``"auto"`` or an `AutoTreeSize`."""
+    if not (is_int_at_least(num_tree_nodes, 1) or isinstance(num_tree_nodes, AutoTreeSize)
+            or (isinstance(num_tree_nodes, str) and num_tree_nodes == "auto")):
+        raise ValueError(f"`num_tree_nodes` (draft tokens per tree) must be a positive integer, 'auto' or an "
+                         f"AutoTreeSize, but is {num_tree_nodes!r} ({type(num_tree_nodes).__name__}).")
+
+
+def resolve_prompt_lookup(generation_config: GenerationConfig) -> tuple[int | None, int]:
+    """``(prompt_lookup_num_tokens or None, max_matching_ngram_size)``, validated (transformers' default n-gram: 2)."""
+    num_tokens = generation_config.prompt_lookup_num_tokens
+    ngram = generation_config.max_matching_ngram_size
+    if num_tokens is not None:
+        check_int("prompt_lookup_num_tokens", num_tokens)
+    return num_tokens, 2 if ngram is None else check_int("max_matching_ngram_size", ngram)

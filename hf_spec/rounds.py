@@ -1,0 +1,205 @@
+"""The shape of a round: a chain of draft tokens, or a tree of them. `hf_spec.decoding` runs one loop for both.
+
+A chain is a tree of width one, and the loop's five steps are the same for both; what differs is how the draft is
+sized and proposed, how one target pass verifies it, how a path is accepted, and what the caches keep of it. Each
+shape is a strategy object, chosen once per call (`hf_spec.plan`):
+
+- `ChainRounds`: k tokens per row (``num_assistant_tokens``, fixed or ``"auto"``); one causal target pass over the
+  block; `hf_spec.rejection.accept_draft_tokens` (vectorized over rows and positions); the accepted prefix is already
+  where the cache needs it.
+- `TreeRounds`: a tree of at most N tokens (``num_tree_nodes``) for a batch of one row; one target pass under a tree
+  attention mask; `hf_spec.rejection.accept_tree` walks one path down; the caches keep the committed prefix and the
+  accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed.
+
+Why trees are for one row: each row would need its own tree, 4D mask and gathered path, and the suffix and
+branching drafters grow one row's tree from host-side candidates. The loop's holes (`hf_spec.rows`) would carry the
+uneven paths, but the drafters would have to grow every row's tree in one pass to keep a batch's draft cost; that is
+not done, so a batch with ``num_tree_nodes`` is refused by name.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel
+
+from hf_spec.caches import check_tree_cache, keep_tree_path
+from hf_spec.drafting.base import DraftContext, Drafter, Proposal
+from hf_spec.drafting.tree import DraftTree, TreeDrafter
+from hf_spec.forward import extend_mask, forward_missing, forward_tree
+from hf_spec.rejection import accept_draft_tokens, accept_greedy, accept_tree, accept_tree_greedy
+from hf_spec.rows import RaggedBatch
+from logits_processors import process_block, process_step
+
+
+@dataclasses.dataclass
+class Verified:
+    """What the target's pass over a draft gave."""
+
+    logits: torch.Tensor  # chain: [active, k + 1, vocab]; tree: [n + 1, vocab] (root, then each node); raw, float32
+    scores: torch.Tensor  # the same, each position processed by the chain with its own prefix
+    features: torch.Tensor | None  # the hidden states a draft head reads, of every token fed (None without a head)
+    num_committed: int  # model-view columns before the draft
+
+
+@dataclasses.dataclass
+class Accepted:
+    """What the acceptance rule kept: per active row, accepted draft tokens and one recovered or bonus token."""
+
+    output_ids: torch.Tensor  # [active, m + 1]; row a's first num_accepted[a] + 1 are emitted
+    num_accepted: torch.Tensor  # [active] int64, on the device (read with the numerical checks)
+    logits: torch.Tensor  # [active, m + 1, vocab] raw target logits along what was kept
+    scores: torch.Tensor  # [active, m + 1, vocab] processed
+    path: list[int] | None = None  # a tree's accepted nodes, root's child first
+
+
+class Rounds(abc.ABC):
+    """One shape of round; the loop calls these in order, once per round (see `hf_spec.decoding`)."""
+
+    drafter: Drafter
+    sizer: object  # chooses each round's size and learns from it (`hf_spec.drafting.draft_length`, `tree_size`)
+
+    @property
+    def is_timed(self) -> bool:
+        """Whether the sizer learns from timings (the loop then synchronizes an accelerator before reading clocks)."""
+        return self.sizer.is_timed
+
+    def start(self, batch: RaggedBatch, target_cache) -> None:
+        """Before the first round: refuse what this shape cannot do, and reset the drafter's state."""
+        self.drafter.reset()
+
+    @abc.abstractmethod
+    def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal | DraftTree:
+        """1. The round's draft, sized by the sizer, at most ``tokens_left`` deep."""
+
+    @abc.abstractmethod
+    def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft,
+               logits_processor: LogitsProcessorList) -> Verified:
+        """2. One target pass over the tokens its cache lacks and the draft."""
+
+    @abc.abstractmethod
+    def accept(self, draft, verified: Verified, context: DraftContext) -> Accepted:
+        """3. The acceptance rule."""
+
+    @abc.abstractmethod
+    def size(self, draft) -> tuple[int, int | None]:
+        """``(tokens drafted, tree depth or None)`` for the statistics."""
+
+    @abc.abstractmethod
+    def learn(self, draft, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
+              verify_seconds: float | None) -> None:
+        """What the sizer learns from the round (``verify_seconds`` is ``None`` for the first, which holds the
+        prefill)."""
+
+    def keep(self, target_cache, draft, verified: Verified, accepted: Accepted) -> None:
+        """5, first half: what the caches and the drafter keep of the verified draft, before the loop's rollback."""
+        if verified.features is not None:  # every token fed; the rollback drops the rejected drafts'
+            self.drafter.observe(verified.features, start=verified.num_committed + self.size(draft)[0]
+                                 - verified.features.shape[1])
+
+
+class ChainRounds(Rounds):
+    """k draft tokens per row and round, k from ``sizer`` (`FixedDraftLength` or `AutoDraftLength`)."""
+
+    def __init__(self, drafter: Drafter, sizer):
+        self.drafter, self.sizer = drafter, sizer
+
+    def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal:
+        return self.drafter.propose(batch, self.sizer.choose(tokens_left), context)
+
+    def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft: Proposal,
+               logits_processor: LogitsProcessorList) -> Verified:
+        """``[active, k + 1, vocab]`` logits and scores, position i processed with the row's prefix and
+        ``draft_ids[:, :i]``."""
+        draft_ids = draft.draft_ids  # [active, k]
+        k = draft_ids.shape[1]
+        sequence_ids, mask = torch.cat([batch.model_ids, draft_ids], dim=1), extend_mask(batch.model_mask, k)
+        logits, features = forward_missing(target, target_cache, sequence_ids, mask, k + 1,
+                                           self.drafter.feature_layers)  # [active, k + 1, vocab]
+        row_ids, lengths = batch.row_view(draft_ids[:, :0])
+        scores = batch.to_active(process_block(
+            logits_processor, row_ids, batch.to_batch(draft_ids, batch.pad_token_id), batch.to_batch(logits),
+            lengths,
+        ))  # [active, k + 1, vocab]
+        return Verified(logits, scores, features, batch.model_ids.shape[1])
+
+    def accept(self, draft: Proposal, verified: Verified, context: DraftContext) -> Accepted:
+        if context.do_sample:
+            output_ids, num_accepted = accept_draft_tokens(draft.draft_ids, draft.draft_probs,
+                                                           verified.scores.softmax(dim=-1), context.generator)
+        else:
+            output_ids, num_accepted = accept_greedy(draft.draft_ids, verified.scores)
+        return Accepted(output_ids, num_accepted, verified.logits, verified.scores)
+
+    def size(self, draft: Proposal) -> tuple[int, int | None]:
+        return draft.num_draft_tokens, None
+
+    def learn(self, draft: Proposal, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
+              verify_seconds: float | None) -> None:
+        self.sizer.update(draft.num_draft_tokens, num_accepted, draft_seconds, draft.num_model_steps, verify_seconds)
+
+
+class TreeRounds(Rounds):
+    """A tree of draft tokens per round for one row; budget, depth and branching from ``sizer`` (`FixedTreeSize`
+    or `AutoTreeSize`)."""
+
+    def __init__(self, drafter: TreeDrafter, sizer):
+        self.drafter, self.sizer = drafter, sizer
+
+    def start(self, batch: RaggedBatch, target_cache) -> None:
+        if batch.batch_size != 1:
+            raise ValueError(f"Tree drafts (`num_tree_nodes`) support a batch of one row, but `input_ids` has "
+                             f"{batch.batch_size} rows: each row would need its own tree and accepted path in the "
+                             "cache. Leave `num_tree_nodes` unset to draft chains, which batch.")
+        check_tree_cache(target_cache, "cache")
+        super().start(batch, target_cache)
+
+    def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> DraftTree:
+        choice = self.sizer.choose_tree(tokens_left, self.drafter.growth)
+        return self.drafter.propose_tree(batch, choice.num_nodes, choice.max_depth, context, choice.branching)
+
+    def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft: DraftTree,
+               logits_processor: LogitsProcessorList) -> Verified:
+        """``[n + 1, vocab]`` logits and scores after the root and after each node, each processed with the
+        committed row and the node's path."""
+        depths = torch.tensor(draft.depths, dtype=torch.long, device=draft.token_ids.device)
+        logits, features = forward_tree(target, target_cache, batch.model_ids, batch.model_mask, draft.token_ids,
+                                        depths, draft.visibility(), draft.num_nodes + 1, self.drafter.feature_layers)
+        scores = []
+        for node in range(-1, draft.num_nodes):
+            row_ids, lengths = batch.row_view(draft.token_ids[draft.path_to(node)][None])
+            scores.append(process_step(logits_processor, row_ids, logits[node + 1][None], lengths)[0])
+        return Verified(logits, torch.stack(scores), features, batch.model_ids.shape[1])
+
+    def accept(self, draft: DraftTree, verified: Verified, context: DraftContext) -> Accepted:
+        if context.do_sample:
+            path, next_id = accept_tree(draft.token_ids, draft.parents, draft.draft_probs,
+                                        verified.scores.softmax(dim=-1), context.generator)
+        else:
+            path, next_id = accept_tree_greedy(draft.token_ids, draft.parents, verified.scores)
+        device = verified.scores.device
+        rows = torch.tensor([-1, *path], device=device) + 1  # score rows along the path
+        output_ids = torch.cat([draft.token_ids[path], next_id.view(1)])[None]  # [1, depth + 1]
+        return Accepted(output_ids, torch.tensor([len(path)], device=device), verified.logits[rows][None],
+                        verified.scores[rows][None], path)
+
+    def size(self, draft: DraftTree) -> tuple[int, int | None]:
+        return draft.num_nodes, max(draft.depths, default=0)
+
+    def learn(self, draft: DraftTree, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
+              verify_seconds: float | None) -> None:
+        self.sizer.update_tree(draft, accepted.path, draft_seconds, verify_seconds)
+
+    def keep(self, target_cache, draft: DraftTree, verified: Verified, accepted: Accepted) -> None:
+        """The caches keep the committed prefix and the accepted path's entries; a draft head gets the target's
+        features of the committed tokens fed ``[missing + n, F]`` and of the path's nodes."""
+        path, num_committed = accepted.path, verified.num_committed
+        if verified.features is not None:
+            num_missing = verified.features.shape[0] - draft.num_nodes
+            fed = torch.tensor([*range(num_missing), *(num_missing + node for node in path)],
+                               device=verified.features.device)
+            self.drafter.observe(verified.features[fed][None], start=num_committed - num_missing)
+        keep_tree_path(target_cache, num_committed, path)
+        self.drafter.keep_path(path)
