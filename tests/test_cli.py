@@ -1,49 +1,103 @@
-"""The ``hf-spec generate`` main job runs end to end on the built-in pair."""
+"""The ``hf-spec`` command: the main job end to end on the built-in pair, one output convention, one-line errors."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from hf_spec import __version__
 from hf_spec.cli import main
 from hf_spec.loading.tiny import build_tiny_pair
 
 TINY = ["--target", "tiny", "--draft", "tiny"]
 
 
-def test_generate_prints_tokens_and_statistics(capsys):
-    argv = ["generate", *TINY, "--max-new-tokens", "20", "--do-sample", "--temperature", "0.7", "--json", "--compare"]
-    assert main(argv) == 0
-    output = capsys.readouterr().out
-    report = json.loads(output[output.index("{") :])
-    assert report["new_tokens"] == 20
+def run_json(capsys, argv) -> dict:
+    """The subcommand's stdout parsed as one JSON document (nothing else may be there)."""
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_prints_text_ids_and_statistics_as_json(capsys):
+    report = run_json(capsys, ["generate", *TINY, "--max-new-tokens", "20", "--do-sample", "--temperature", "0.7",
+                               "--compare"])
+    assert report["new_tokens"] == 20 == len(report["new_ids"]) and isinstance(report["text"], str)
     assert 0.0 <= report["acceptance_rate"] <= 1.0 and report["num_rounds"] > 0
     assert report["speculative_tokens_per_second"] > 0 and report["target_only_tokens_per_second"] > 0
 
 
+def test_json_goes_to_stdout_alone_and_logs_to_stderr():
+    """``| python -m json.tool`` works: the banner and the paths chosen are on stderr."""
+    result = subprocess.run([sys.executable, "-m", "hf_spec", "generate", *TINY, "--max-new-tokens", "6", "--json"],
+                            capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout)["new_tokens"] == 6
+    assert "tiny pair" in result.stderr
+
+
 @pytest.mark.parametrize("nodes", ["6", "auto"])
 def test_generate_drafts_trees(capsys, nodes):
-    argv = ["generate", *TINY, "--max-new-tokens", "16", "--num-tree-nodes", nodes, "-k", "3", "--json"]
-    assert main(argv) == 0
-    output = capsys.readouterr().out
-    report = json.loads(output[output.index("{") :])
+    report = run_json(capsys, ["generate", *TINY, "--max-new-tokens", "16", "--num-tree-nodes", nodes, "-k", "3"])
     assert report["new_tokens"] == 16 and sum(report["rounds_by_accepted"]) == report["num_rounds"]
-    with pytest.raises(SystemExit):
-        main(["generate", *TINY, "--num-tree-nodes", "0"])
-    assert "--num-tree-nodes: must be a positive integer, got 0" in capsys.readouterr().err
 
 
-def test_generate_rejects_bad_prompt_ids_and_mixed_pairs(capsys):
-    with pytest.raises(SystemExit, match="prompt-ids"):
-        main(["generate", *TINY, "--prompt-ids", "1 x 3"])
-    with pytest.raises(SystemExit, match="--target tiny --draft .*: `target` 'tiny' goes with `draft` 'tiny'"):
-        main(["generate", "--target", "tiny"])
-    for option in ("--threads", "--max-new-tokens"):
-        with pytest.raises(SystemExit):
-            main(["generate", *TINY, option, "0"])
-    assert f"{option}: must be a positive integer, got 0" in capsys.readouterr().err
+def test_k_auto_and_the_usual_aliases(capsys):
+    report = run_json(capsys, ["generate", "--target", "tiny", "--draft-model", "tiny", "-k", "auto", "--max-tokens",
+                               "9", "--do-sample", "--temp", "0.5"])
+    assert report["new_tokens"] == 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", *TINY, "--num-tree-nodes", "0"], "--num-tree-nodes: must be a positive integer, got 0"),
+    (["generate", *TINY, "--threads", "0"], "--threads: must be a positive integer, got 0"),
+    (["generate", *TINY, "--max-new-tokens", "0"], "--max-new-tokens/--max-tokens: must be a positive integer"),
+    (["generate", *TINY, "--temperature", "-1"], "must be a number >= 0"),
+    (["generate", *TINY, "--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
+    (["generate", *TINY, "--top-k", "-1"], "--top-k: must be an integer >= 0"),
+    (["generate", *TINY, "--prompt", "  "], "--prompt is empty"),
+    (["generate", *TINY, "--prompt-ids", "1 x 3"], "--prompt-ids must be space-separated integers"),
+    (["generate", *TINY, "--prompt-ids", "1 999"], "--prompt-ids must be ids in [0, 64)"),
+    (["generate", "--target", "./no/such/folder", "--draft", "tiny"], "is neither a built-in model"),
+    (["generate", *TINY, "--output", "/no/such/folder/out.json"], "--output /no/such/folder/out.json: the folder"),
+    (["bench", *TINY, "--plot", "/no/such/folder/b.png"], "--plot /no/such/folder/b.png: the folder"),
+    (["eval-draft", *TINY, "--cost-ratio", "-1"], "--cost-ratio: must be a number > 0, got -1"),
+    (["train-head", "--target", "tiny", "--output-dir", "/proc/no/such/x"], "--output-dir /proc/no/such/x: cannot"),
+    (["train-head", "--target", "tiny", "--output-dir", "OUT", "--feature-layers", "99"], "--feature-layers 99"),
+])
+def test_every_error_is_one_line_on_stderr_with_exit_code_2(capsys, tmp_path, argv, message):
+    argv = [str(tmp_path / "out") if part == "OUT" else part for part in argv]
+    capsys.readouterr()
+    assert main(argv) == 2
+    stderr = capsys.readouterr().err.strip()
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and stderr.splitlines()[-1] == errors[0] and message in errors[0], stderr
+    assert "Traceback" not in stderr
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(ValueError, match="--prompt is empty"):
+        main(["--debug", "generate", *TINY, "--prompt", ""])
+
+
+def test_version_and_help_show_defaults(capsys):
+    assert main(["--version"]) == 0 and __version__ in capsys.readouterr().out
+    assert main(["generate", "--help"]) == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--max-new-tokens", "--temperature", "--top-k", "--top-p", "--dtype"):
+        assert flag in help_text
+    assert "(default: 128)" in help_text and "(default: fastest)" in help_text
+
+
+def test_training_commands_list_no_draft_side_flags(capsys):
+    assert main(["train-head", "--help"]) == 0
+    help_text = capsys.readouterr().out
+    assert "--draft " not in help_text and "--num-assistant-tokens" not in help_text
+    assert main(["distill", "--help"]) == 0
+    assert "--num-assistant-tokens" not in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -61,4 +115,7 @@ def test_built_in_pair_greedy_matches_target_only():
     target, draft = build_tiny_pair(seed=3)
     prompt = torch.tensor([[1, 2, 3]])
     expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    from hf_spec import speculative
+
+    speculative(target)
     assert torch.equal(target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=60), expected)

@@ -120,10 +120,10 @@ def test_bad_id_lists_are_named(ids, message):
 def test_cli_generate_and_bench_with_a_pruned_draft(tmp_path, capsys):
     tiny = ["--target", "tiny", "--draft", "tiny", "--threads", "1"]
     assert main(["generate", *tiny, "--draft-vocab", "32", "--max-new-tokens", "6", "--no-optimize"]) == 0
-    assert "output layer 32 of 64 ids" in capsys.readouterr().out
+    assert "output layer 32 of 64 ids" in capsys.readouterr().err
     report_path = tmp_path / "bench.json"
     assert main(["bench", *tiny, "--draft-vocab-variants", "32", "--methods", "hf_spec", "--workloads", "code",
                  "--settings", "greedy", "--prompts", "1", "--max-new-tokens", "8", "--no-progress", "--no-optimize",
-                 "--json", str(report_path), "--plot", str(tmp_path / "bench.png")]) == 0
+                 "--output", str(report_path), "--plot", str(tmp_path / "bench.png")]) == 0
     rows = {row["method"]: row for row in json.loads(report_path.read_text())["results"]}
     assert rows["hf_spec@vocab32"]["identical_to_target_only"] == 1.0

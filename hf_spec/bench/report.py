@@ -20,6 +20,7 @@ import numpy as np
 
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
+from hf_spec.extras import require
 
 #: Every workload together, per setting: a mixed workload.
 ALL_WORKLOADS = "all"
@@ -45,6 +46,8 @@ class Run:
     accepted: int | None
     working_memory_bytes: int | None
     identical_to_target_only: bool | None = None
+    new_ids: list[int] | None = None  # what the call generated (up to and including the first EOS)
+    text: str | None = None  # ``new_ids`` decoded, when a tokenizer was given
 
 
 def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], method_k: dict[str, int | None],
@@ -183,7 +186,7 @@ def format_cost_table(table: dict) -> str:
 
 def plot(report: dict, path: str) -> None:
     """Speed-up over target-only (bars; the formula's prediction as a tick where it applies) and tokens per pass."""
-    import matplotlib
+    matplotlib = require("matplotlib", "cli", "hf-spec bench's plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,30 +1,13 @@
 """`hf-spec bench`: target-only decoding, transformers' assisted generation and hf_spec, side by side.
 
-All methods run in one process on the same weights, prompts and settings, interleaved prompt by prompt (their order
-rotates from one prompt to the next), after a warm-up call of each. Methods (`METHODS`; k is
-``--num-assistant-tokens``, ``num_draft_tokens`` in Python):
-
-- ``target_only``: ``generate()`` without a draft;
-- ``transformers``: transformers' own ``generate(assistant_model=...)`` at its best: constant schedule, the same k,
-  confidence threshold off;
-- ``transformers_default``: the same with transformers' defaults (20 draft tokens, confidence threshold 0.4);
-- ``transformers_heuristic``: its "heuristic" schedule (k + 2 after a full acceptance, k - 1 otherwise), from k;
-- ``transformers_lookup``: its prompt lookup, ``prompt_lookup_num_tokens=k``;
-- ``hf_spec``: ours, ``num_assistant_tokens=k``; ``hf_spec_k<N>``: ours with k = N; ``hf_spec_auto``: ours with
-  ``num_assistant_tokens="auto"``;
-- ``hf_spec_lookup``: our prompt lookup, ``prompt_lookup_num_tokens=k``; ``hf_spec_lookup_draft``: lookup first, the
-  draft model when nothing matches;
-- ``hf_spec_tree<N>``: ours with a tree of at most N draft-model tokens per round, at most k deep
-  (``num_tree_nodes=N``); ``hf_spec_suffix<N>``: suffix matching, a tree of at most N continuation tokens, at most k
-  deep (``prompt_lookup_num_tokens=k, num_tree_nodes=N``); ``hf_spec_tree_auto`` and ``hf_spec_suffix_auto``: the
-  budget and branching chosen every round (``num_tree_nodes="auto"``; the draft's tree at most 10 deep, suffix
-  matching's at most k).
+All methods (`hf_spec.bench.methods`) run in one process on the same weights, prompts and settings, interleaved prompt
+by prompt (their order rotates from one prompt to the next), after a warm-up call of each.
 
 Workloads: ``code`` (HumanEval prompts completed as text), ``prose`` (chat requests for prose), ``edit`` (chat requests
 to add type hints to a given HumanEval solution: the answer copies much of the input). Sampled runs of one prompt
 start from the same seed for every method. Target and draft forward passes are counted with forward pre-hooks;
 acceptance for transformers is derived from those counts (accepted = tokens - target passes, proposed = draft passes),
-for hf_spec it is its own statistics. The report: `hf_spec.bench_report`.
+for hf_spec it is its own statistics. The report: `hf_spec.bench.report`.
 
 Kernel baselines: with variants labelled ``stock`` (the target as loaded) and ``steps`` (the target on the CPU path
 fastest for 1-token steps, `hf_spec.loading.packed`), ``target_only@stock`` and ``target_only@steps`` run beside
@@ -39,17 +22,15 @@ interleaved with the rest. Its speed-up is reported against the first target's `
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import re
 import time
-from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
+from hf_spec.bench.methods import DEFAULT_METHODS, SETTINGS, MethodSpec, generate_once, method_spec
 from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
 from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
@@ -58,95 +39,12 @@ from hf_spec.evaluation.continuations import count_new_tokens, seeded
 from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
-from hf_spec.mixin import speculative, without_speculation
+from hf_spec.mixin import speculative
 from hf_spec.plan import make_drafter
 
-METHODS = (
-    "target_only", "transformers", "transformers_default", "transformers_heuristic", "transformers_lookup",
-    "hf_spec", "hf_spec_auto", "hf_spec_lookup", "hf_spec_lookup_draft",
-)
-DEFAULT_METHODS = ("target_only", "transformers", "transformers_default", "hf_spec")
-SETTINGS = {
-    "greedy": {"do_sample": False},
-    "sampled": {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
-}
-_FIXED_K = re.compile(r"hf_spec_k([1-9][0-9]*)")
-_TREE = re.compile(r"hf_spec_(tree|suffix)([1-9][0-9]*|_auto)")
 
-@dataclasses.dataclass(frozen=True)
-class MethodSpec:
-    """How a benchmarked method calls ``generate()``."""
-
-    is_ours: bool  # hf_spec's loop; otherwise transformers' own (the target without speculation)
-    uses_draft: bool
-    generate_kwargs: dict  # besides assistant_model
-    assistant_settings: dict | None = None  # transformers reads these from the draft's generation_config
-    fixed_num_draft_tokens: int | None = None  # drafts exactly k tokens a round with a draft model: the formula applies
-
-
-def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
-    """The `MethodSpec` of a method name (see the module docstring); ``num_draft_tokens`` is k."""
-    k = num_draft_tokens
-    fixed = _FIXED_K.fullmatch(method)
-    if fixed or method == "hf_spec":
-        n = int(fixed.group(1)) if fixed else k
-        return MethodSpec(True, True, {"num_assistant_tokens": n}, fixed_num_draft_tokens=n)
-    tree = _TREE.fullmatch(method)
-    if tree:
-        uses_draft, is_auto = tree.group(1) == "tree", tree.group(2) == "_auto"
-        depth = {"num_assistant_tokens": k} if uses_draft else {"prompt_lookup_num_tokens": k}
-        if uses_draft and is_auto:
-            depth = {}  # the chooser's default depth limit
-        return MethodSpec(True, uses_draft, {**depth, "num_tree_nodes": "auto" if is_auto else int(tree.group(2))})
-    specs = {
-        "target_only": MethodSpec(False, False, {}),
-        "transformers": MethodSpec(False, True, {}, {
-            "num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
-            "assistant_confidence_threshold": 0.0}, fixed_num_draft_tokens=k),
-        "transformers_default": MethodSpec(False, True, {}, {
-            "num_assistant_tokens": None, "num_assistant_tokens_schedule": None,
-            "assistant_confidence_threshold": None}),
-        "transformers_heuristic": MethodSpec(False, True, {}, {
-            "num_assistant_tokens": k, "num_assistant_tokens_schedule": "heuristic",
-            "assistant_confidence_threshold": 0.0}),
-        "transformers_lookup": MethodSpec(False, False, {"prompt_lookup_num_tokens": k}),
-        "hf_spec_auto": MethodSpec(True, True, {"num_assistant_tokens": "auto"}),
-        "hf_spec_lookup": MethodSpec(True, False, {"prompt_lookup_num_tokens": k}),
-        "hf_spec_lookup_draft": MethodSpec(True, True, {"prompt_lookup_num_tokens": k}),
-    }
-    if method not in specs:
-        raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>', "
-                         "'hf_spec_suffix<N>', 'hf_spec_tree_auto' or 'hf_spec_suffix_auto'.")
-    return specs[method]
-
-
-@contextlib.contextmanager
-def assistant_config(draft: PreTrainedModel, **fields) -> Iterator[None]:
-    """Set fields of ``draft.generation_config`` (where transformers reads its assistant settings) for the block."""
-    config = draft.generation_config
-    saved = {name: getattr(config, name, None) for name in fields}
-    for name, value in fields.items():
-        setattr(config, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
-
-
-def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs: dict):
-    """``(sequence [total], hf_spec stats or None)`` of one batch-1 call."""
-    kwargs = {**inputs, **generate_kwargs, **spec.generate_kwargs}
-    if spec.uses_draft:
-        kwargs["assistant_model"] = draft
-    if spec.is_ours:
-        output = target.generate(**kwargs, return_dict_in_generate=True)
-        return output.sequences[0], getattr(output, "speculative_stats", None)
-    with without_speculation(target), assistant_config(draft, **(spec.assistant_settings or {})):
-        return target.generate(**kwargs)[0], None
-
-
-def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, **where):
+def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
+            **where):
     """``(Run, new ids [new])`` of one timed call."""
     prompt_length = inputs["input_ids"].shape[1]
     with (ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls,
@@ -161,9 +59,11 @@ def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwarg
         proposed, accepted = draft_calls.count, max(0, new_tokens - target_calls.count)
     else:
         proposed = accepted = None
+    new_ids = sequence[prompt_length:prompt_length + new_tokens].tolist()
     run = Run(method=method, seconds=seconds, new_tokens=new_tokens, target_passes=target_calls.count,
               draft_passes=draft_calls.count, proposed=proposed, accepted=accepted,
-              working_memory_bytes=memory.peak_bytes, **where)
+              working_memory_bytes=memory.peak_bytes, new_ids=new_ids,
+              text=None if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=True), **where)
     return run, sequence[prompt_length:]
 
 
@@ -180,6 +80,7 @@ def run_benchmark(
     eos_ids: set[int] | None = None,
     progress: bool = True,
     variants: dict[str, PreTrainedModel | tuple[PreTrainedModel, PreTrainedModel]] | None = None,
+    tokenizer=None,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
 
@@ -191,6 +92,7 @@ def run_benchmark(
         eos_ids: ids that end a generation (default: the target's ``generation_config.eos_token_id``).
         variants: label -> another target (same tokenizer) or ``(target, draft)`` pair, run by the methods named
             ``<method>@<label>``.
+        tokenizer: decodes each call's new tokens into the report's runs (``text``).
     """
     settings = SETTINGS if settings is None else settings
     for name, value in (("num_draft_tokens", num_draft_tokens), ("max_new_tokens", max_new_tokens),
@@ -212,7 +114,7 @@ def run_benchmark(
              for name, prompts in workloads.items()}
     largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
     cost_table = probe_costs(plan.pairs[""][0], make_drafter(plan.pairs[""][1]), probe_sizes(largest))
-    runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress)
+    runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer)
 
     weights = {}
     for suffix, (variant_target, variant_draft) in plan.pairs.items():
@@ -278,7 +180,7 @@ class _Plan:
 
 
 def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int, seed: int,
-                      progress: bool) -> list[Run]:
+                      progress: bool, tokenizer=None) -> list[Run]:
     """Every method on every (workload, setting, prompt, repeat), the methods' order rotating from one to the next;
     greedy outputs compared with target-only decoding of the same target."""
     methods = tuple(plan.specs)
@@ -294,7 +196,8 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
                 run, new_ids[method] = run_one(method, plan.specs[method], *plan.pair(method),
                                                workloads[workload][prompt],
                                                {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
-                                               workload=workload, setting=setting, prompt=prompt, repeat=repeat)
+                                               tokenizer, workload=workload, setting=setting, prompt=prompt,
+                                               repeat=repeat)
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")

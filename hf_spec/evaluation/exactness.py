@@ -17,6 +17,7 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.compat import decoding_chain
+from hf_spec.extras import require
 
 #: Significance level: a correct sampler fails a test with probability 1e-4; a broken one must fail every time.
 ALPHA = 1e-4
@@ -41,7 +42,7 @@ def fit_sequences(samples: np.ndarray, exact: np.ndarray) -> FitResult:
     Chi-square on the V**T cells, pooling the cells whose expected count is below 5 into one. TV bound
     ``sqrt(cells / N)``: the empirical TV of a correct sampler has mean at most ``sqrt(cells / (2 pi N))``.
     """
-    from scipy import stats
+    stats = require("scipy.stats", "test", "The exactness test")
 
     exact = exact / exact.sum()  # float32 model probabilities sum to 1 only up to rounding
     if samples.ndim != 2 or samples.shape[1] != exact.ndim:

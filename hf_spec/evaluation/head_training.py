@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import EarlyStoppingCallback, PreTrainedModel, Trainer, TrainingArguments
 
 from hf_spec.drafting.vocabulary import PrunedOutputLayer
+from hf_spec.extras import require
 from hf_spec.heads.model import DraftHead
 
 
@@ -42,7 +43,7 @@ def feature_dataset(target: PreTrainedModel, sequences: list[list[int]], feature
     With ``path``, the dataset is kept in a folder under it keyed by the target's config, the layers and the
     sequences, and loaded from there when it exists.
     """
-    import datasets
+    datasets = require("datasets", "train", "Training a draft head")
     from tqdm.auto import tqdm
 
     sequences = [list(map(int, ids)) for ids in sequences if len(ids) >= 2]
@@ -190,8 +191,9 @@ def train_head(target: PreTrainedModel, train_dataset, eval_dataset, output_dir:
         feature_weight = 1.0 if head.config.feature_layers in ([-1], [head.config.target_num_layers]) else 0.0
     defaults = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "learning_rate": 3e-4,
                 "max_steps": 200, "logging_steps": 10, "eval_strategy": "steps", "eval_steps": 20,
-                "save_strategy": "steps", "save_total_limit": 1, "load_best_model_at_end": True,
-                "metric_for_best_model": "eval_loss", "greater_is_better": False, "report_to": "none",
+                "save_strategy": "steps", "save_total_limit": 1, "save_only_model": True,
+                "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "greater_is_better": False,
+                "report_to": "none",
                 "remove_unused_columns": False, "label_names": [], "use_cpu": not torch.cuda.is_available(),
                 "dataloader_pin_memory": torch.cuda.is_available()}
     arguments = {**defaults, **training_arguments}
@@ -213,7 +215,7 @@ def evaluate_head(head: DraftHead, dataset, max_metric_positions: int = 256) -> 
     """Held-out block-position-0 figures of ``head``: top-1 ``agreement`` with the target over every pair, and the
     project's ``evaluate`` metric (expected sampling acceptance 1 - TV at temperature 1, and greedy acceptance) over
     the first ``max_metric_positions`` pairs."""
-    import evaluate
+    evaluate = require("evaluate", "train", "Evaluating a draft head")
 
     from hf_spec.evaluation.draft_fit import METRIC_PATH
 

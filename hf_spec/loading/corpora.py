@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from hf_spec.checks import check_int
+from hf_spec.extras import require
 from hf_spec.loading.pretrained import cache_dir, download_wheels
 
 BUILT_IN = ("humaneval", "humaneval-solutions", "stdlib")
@@ -49,7 +50,7 @@ def load_texts(source: str, column: str = "text", offset: int = 0, count: int | 
 
 
 def _texts_from_file(path: Path, column: str) -> list[str]:
-    import datasets
+    datasets = require("datasets", "cli", "Reading a text file")
 
     if not path.is_file():
         raise ValueError(f"Dataset {str(path)!r} is neither a built-in name {BUILT_IN} nor a file.")

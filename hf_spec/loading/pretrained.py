@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_spec.compat import drop_gguf_quantizer
+from hf_spec.extras import require
 from hf_spec.loading.cpu import release_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,10 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location = resolve(name_or_path, cache)
+    if _looks_like_a_path(location) and not Path(location).expanduser().is_dir():
+        raise FileNotFoundError(f"{name_or_path!r} is neither a built-in model ({', '.join(PACKAGED_MODELS)}) nor an "
+                                "existing folder.")
+    location = str(Path(location).expanduser()) if _looks_like_a_path(location) else location
     if quantize is not None:
         from transformers import AutoConfig
 
@@ -103,6 +108,11 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | No
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
     release_freed_memory()
     return model, AutoTokenizer.from_pretrained(location)
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path (a Hub id is ``name`` or ``org/name``)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or Path(name).exists()
 
 
 def is_converted(name: str, cache: Path | None = None) -> bool:
@@ -196,6 +206,7 @@ def _convert(gguf_path: Path, folder: Path) -> None:
     """Dequantize with transformers' GGUF loader and save as safetensors plus tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    require("gguf", "cli", "Converting the built-in models from their GGUF files")
     if folder.exists():
         shutil.rmtree(folder)  # an interrupted conversion
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)

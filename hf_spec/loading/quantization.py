@@ -37,6 +37,7 @@ import torch
 from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
 from hf_spec.compat import modules_kept_in_full_precision
+from hf_spec.extras import require_extra
 
 #: ``8bit``: LLM.int8 weights; ``nf4`` / ``fp4``: 4-bit weights of that data type (blocks of 64, fp32 scales).
 SCHEMES = ("8bit", "nf4", "fp4")
@@ -49,6 +50,8 @@ PACKED_ROWS = 32
 
 def quantization_config(scheme: str, compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig:
     """The `BitsAndBytesConfig` of ``scheme`` (one of `SCHEMES`); 4-bit layers compute in ``compute_dtype``."""
+    if scheme in SCHEMES:
+        require_extra("quantization", f"Quantizing with {scheme!r}")
     if scheme == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     if scheme in ("nf4", "fp4"):

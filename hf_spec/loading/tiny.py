@@ -1,5 +1,5 @@
-"""Tiny random-weight Llama models: the built-in pair (``hf-spec generate --target tiny --draft tiny``) and the
-test suite's models (real models: `hf_spec.loading.pretrained`).
+"""Tiny random-weight Llama models: the built-in pair (``load_pair("tiny", "tiny")``, ``hf-spec generate --target tiny
+--draft tiny``), its character tokenizer, and the test suite's models (real models: `hf_spec.loading.pretrained`).
 
 Built from a config in milliseconds, offline. Every dimension is a multiple of 64, so bitsandbytes can quantize
 them on every CPU class (its fused AVX512-BF16 4-bit kernel needs that; see `hf_spec.loading.quantization`).
@@ -12,10 +12,13 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 #: Vocabulary of the built-in pair (tests also use 4, 8 and 16).
 TINY_VOCAB_SIZE = 64
+#: The tiny tokenizer's symbols: id 0 ends a text (and pads), 1 stands for any other character, then one id each.
+TINY_SYMBOLS = ("<|endoftext|>", "<unk>", " ", "\n", *"abcdefghijklmnopqrstuvwxyz0123456789",
+                *".,:;()[]{}=+-*/_'\"#<>!?%")
 
 
 def build_tiny_model(seed: int, vocab_size: int = TINY_VOCAB_SIZE, num_layers: int = 2, head_scale: float = 6.0,
@@ -56,6 +59,23 @@ def noisy_copy(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCaus
         for parameter in draft.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * noise * parameter.std())
     return draft
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny pair's tokenizer: one id per character (lowercased; others are ``<unk>``), `TINY_VOCAB_SIZE` ids,
+    ``<|endoftext|>`` as EOS and padding, a plain chat template. Text in, text out: random text, from random models."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    assert len(TINY_SYMBOLS) == TINY_VOCAB_SIZE, len(TINY_SYMBOLS)
+    backend = Tokenizer(models.WordLevel({symbol: i for i, symbol in enumerate(TINY_SYMBOLS)}, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = ("{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}> {% endif %}")
+    return tokenizer
 
 
 def build_tiny_pair(seed: int = 0, draft_noise: float = 0.03) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from hf_spec.checks import check_int
+from hf_spec.extras import require
 from hf_spec.loading.corpora import load_texts
 from hf_spec.loading.pretrained import cache_dir
 
@@ -71,7 +72,7 @@ def counts_path(tokenizer, texts: list[str], cache: Path | None = None) -> Path:
 
 def token_counts(tokenizer, texts: Iterable[str]) -> collections.Counter:
     """How often each token id occurs in ``texts``, tokenized with ``datasets`` (batched, cached by fingerprint)."""
-    import datasets
+    datasets = require("datasets", "cli", "Counting tokens for a pruned draft vocabulary (`draft_vocab`)")
 
     texts = [text for text in texts if text]
     if not texts:
