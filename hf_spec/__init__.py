@@ -11,6 +11,8 @@ folders beside it and import the algorithm, never the other way round: `hf_spec.
 `hf_spec.cli`. The acceptance rule's pure functions are in `hf_spec.rejection`.
 """
 
+from pathlib import Path
+
 from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.draft_length import AutoDraftLength
 from hf_spec.drafting.tree import TreeDrafter
@@ -19,8 +21,12 @@ from hf_spec.mixin import SpeculativeDecoderOnlyOutput, SpeculativeGenerationMix
 from hf_spec.stats import SpeculativeStats
 
 __version__ = "0.2.0"
+#: ``model.generate(..., custom_generate=hf_spec.CUSTOM_GENERATE, trust_remote_code=True)`` runs hf_spec on a model
+#: that was never made `speculative` (transformers' ``custom_generate`` convention; `hf_spec/custom_generate/`).
+CUSTOM_GENERATE = str(Path(__file__).parent)
 
 __all__ = [
+    "CUSTOM_GENERATE",
     "AutoDraftLength",
     "AutoTreeSize",
     "DraftHead",
@@ -29,15 +35,21 @@ __all__ = [
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
     "TreeDrafter",
+    "load_pair",
+    "prepare_pair",
     "speculative",
     "without_speculation",
 ]
 
 
 def __getattr__(name: str):
-    """`DraftHead` is imported on first use: ``import hf_spec`` loads the algorithm only."""
+    """The tools' entry points are imported on first use: ``import hf_spec`` loads the algorithm only."""
     if name == "DraftHead":
         from hf_spec.heads import DraftHead
 
         return DraftHead
+    if name in ("load_pair", "prepare_pair"):
+        from hf_spec.loading import pair
+
+        return getattr(pair, name)
     raise AttributeError(f"module 'hf_spec' has no attribute {name!r}")

@@ -25,6 +25,7 @@ __all__ = [
     "check_generation_hooks",
     "decoding_chain",
     "drop_gguf_quantizer",
+    "merged_generation_config",
     "modules_kept_in_full_precision",
     "num_beams",
     "pad_token_tensor",
@@ -62,6 +63,14 @@ def pad_token_tensor(generation_config: GenerationConfig) -> torch.Tensor | None
     """The pad id ``generate()`` resolved for this call (``pad_token_id``, else an ``eos_token_id``), as a tensor:
     ``generation_config._pad_token_tensor``."""
     return generation_config._pad_token_tensor
+
+
+def merged_generation_config(model: PreTrainedModel, generation_config: GenerationConfig | None,
+                             kwargs: dict) -> GenerationConfig:
+    """The generation config a ``generate(generation_config=..., **kwargs)`` call will run with (a copy): the call's
+    settings over ``generation_config`` over the model's over transformers' defaults,
+    ``GenerationMixin._prepare_generation_config``."""
+    return model._prepare_generation_config(generation_config, **kwargs)[0]
 
 
 def decoding_chain(model: PreTrainedModel, settings: dict, prompt_ids: torch.Tensor,

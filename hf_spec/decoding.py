@@ -14,7 +14,10 @@ logits, the streamer and timings, and the sizers in `hf_spec.drafting` choose ea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
@@ -72,51 +75,72 @@ def speculative_decode(
     stats = SpeculativeStats()
     recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
     context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
-                           generation_config.do_sample, generator)
+                           generation_config.do_sample, generator, rounds.stop_below)
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
-    rounds.start(batch, target_cache)
+    with _exclusive(rounds.drafter):  # a drafter instance serves one call at a time
+        rounds.start(batch, target_cache)
+        try:
+            while batch.num_active > 0:
+                timer = RoundTimer(synchronize=rounds.is_timed)
+                # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
+                tokens_left = max(0, generation_config.max_length - min(batch.active_lengths()) - 1)
 
-    try:
-        while batch.num_active > 0:
-            timer = RoundTimer(synchronize=rounds.is_timed)
-            # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
-            tokens_left = max(0, generation_config.max_length - min(batch.active_lengths()) - 1)
+                # 1. Draft: a chain or a tree, each token drawn from the drafter's law q given its own prefix.
+                draft = rounds.draft(batch, tokens_left, context)
+                timer.mark_drafted(batch.model_ids.device)
 
-            # 1. Draft: a chain or a tree, each token drawn from the drafter's law q given its own prefix.
-            draft = rounds.draft(batch, tokens_left, context)
-            timer.mark_drafted(batch.model_ids.device)
+                # 2. Verify: one target pass gives p after every drafted token, each processed with its own prefix (and
+                #    the hidden states a draft head reads).
+                verified = rounds.verify(target, target_cache, batch, draft, logits_processor)
 
-            # 2. Verify: one target pass gives p after every drafted token, each processed with its own prefix (and
-            #    the hidden states a draft head reads).
-            verified = rounds.verify(target, target_cache, batch, draft, logits_processor)
+                # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token.
+                accepted = rounds.accept(draft, verified, context)
+                num_accepted = read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores)
+                timer.mark_verified()
 
-            # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token.
-            accepted = rounds.accept(draft, verified, context)
-            num_accepted = read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores)
-            timer.mark_verified()
+                # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
+                num_kept, is_done = batch.count_until_stop(stopping_criteria, accepted.output_ids,
+                                                           [n + 1 for n in num_accepted])
+                recorder.record(batch.active_list, accepted.output_ids, accepted.scores, accepted.logits, num_kept)
+                num_drafted, depth = rounds.size(draft)
+                stats.record_round(num_drafted, num_accepted, num_kept, batch.active_list, batch.batch_size, depth)
+                rounds.learn(draft, accepted, num_accepted, timer.draft_seconds,
+                             None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1 holds the prefill
 
-            # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
-            num_kept, is_done = batch.count_until_stop(stopping_criteria, accepted.output_ids,
-                                                       [n + 1 for n in num_accepted])
-            recorder.record(batch.active_list, accepted.output_ids, accepted.scores, accepted.logits, num_kept)
-            num_drafted, depth = rounds.size(draft)
-            stats.record_round(num_drafted, num_accepted, num_kept, batch.active_list, input_ids.shape[0], depth)
-            rounds.learn(draft, accepted, num_accepted, timer.draft_seconds,
-                         None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1 holds the prefill
-
-            # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the
-            #    model view's columns but its last; finished rows leave.
-            rounds.keep(target_cache, draft, verified, accepted)
-            staying, num_cached = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
-            roll_back(target_cache, rounds.drafter, num_cached, staying)
-            stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
-    finally:
-        # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
-        # tree's nodes sit after the committed positions, so the crop drops them too).
-        roll_back(target_cache, rounds.drafter, batch.model_ids.shape[1] - 1, None)
+                # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the
+                #    model view's columns but its last; finished rows leave.
+                rounds.keep(target_cache, draft, verified, accepted)
+                staying, num_cached = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
+                roll_back(target_cache, rounds.drafter, num_cached, staying)
+                stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
+        finally:
+            # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
+            # tree's nodes sit after the committed positions, so the crop drops them too).
+            roll_back(target_cache, rounds.drafter, batch.model_ids.shape[1] - 1, None)
 
     scores, logits = recorder.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
+
+
+@contextlib.contextmanager
+def _exclusive(drafter: Drafter) -> Iterator[None]:
+    """One call at a time per drafter: a `Drafter` instance keeps per-call state (caches, features), so a second
+    call using it before the first ends is refused by name (a draft model or head gets a fresh drafter per call)."""
+    with _IN_USE_LOCK:
+        if id(drafter) in _IN_USE:
+            raise RuntimeError(f"This {type(drafter).__name__} is in use by another generate() call (another thread "
+                               "or a nested call): a drafter keeps per-call state. Give each concurrent call its "
+                               "own drafter instance.")
+        _IN_USE.add(id(drafter))
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            _IN_USE.discard(id(drafter))
+
+
+_IN_USE: set[int] = set()
+_IN_USE_LOCK = threading.Lock()
 
 
 def read_accepted(num_accepted: torch.Tensor, is_draft_invalid: torch.Tensor, block_logits: torch.Tensor,

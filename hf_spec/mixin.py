@@ -35,17 +35,18 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_spec.caches import fit_prompt, prepare_for_rollback
-from hf_spec.compat import check_generation_hooks, pad_token_tensor
+from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor
 from hf_spec.decoding import speculative_decode
 from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, start_sizer, user_settings
 from hf_spec.rounds import Rounds
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
+    refuse_unsupported,
     validate_generator,
     validate_input_types,
     validate_input_values,
     validate_model_kwargs,
-    validate_speculative_call,
+    validate_sampling_settings,
 )
 from logits_processors import check_processors
 
@@ -100,10 +101,14 @@ class SpeculativeGenerationMixin(GenerationMixin):
             kwargs["num_tree_nodes"] = num_tree_nodes
         settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
         kwargs.pop("num_tree_nodes", None)  # transformers' config would keep it as an unknown entry
-        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
-            # before transformers' own input handling, which fails on these without naming the argument
-            validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
-                                 kwargs.get("attention_mask"))
+        if "custom_generate" not in kwargs and id(self) not in _WITHOUT_SPECULATION.get():
+            merged = merged_generation_config(self, generation_config, kwargs)
+            if kwargs.get("assistant_model") is not None or _is_our_prompt_lookup(merged):
+                # before transformers' own handling, which fails on these without naming the argument
+                validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
+                                     kwargs.get("attention_mask"))
+                refuse_unsupported(self, merged, {name: kwargs[name] for name in ("tokenizer", "assistant_tokenizer")
+                                                  if kwargs.get(name) is not None}, settings)
         token = _CALL.set(_Call(CallOptions(generator=generator, settings=settings)))
         try:
             return super().generate(inputs, generation_config, *args, **kwargs)
@@ -124,7 +129,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 raise ValueError("`generator` and `num_tree_nodes` are used by speculative decoding only; pass "
                                  "`assistant_model=` (or `prompt_lookup_num_tokens=`) too.")
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
-        validate_speculative_call(self, generation_config, generation_mode_kwargs)
+        refuse_unsupported(self, generation_config, generation_mode_kwargs, call.options.settings)
+        validate_sampling_settings(generation_config)
         call.rounds = plan_call(draft, generation_config, call.options)
         # transformers' own assistant checks (tokenizer rules of universal assisted decoding) do not apply here.
         others = {key: value for key, value in generation_mode_kwargs.items() if key != "assistant_model"}

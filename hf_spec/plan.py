@@ -34,6 +34,7 @@ from hf_spec.drafting.draft_length import (
     DEFAULT_NUM_DRAFT_TOKENS,
     AutoDraftLength,
     FixedDraftLength,
+    HeuristicDraftLength,
 )
 from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
 from hf_spec.drafting.model import ModelDrafter
@@ -43,11 +44,13 @@ from hf_spec.drafting.suffix import SuffixDrafter
 from hf_spec.drafting.tree import TreeDrafter
 from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
 from hf_spec.rounds import ChainRounds, Rounds, TreeRounds
+from hf_spec.settings import ASSISTANT_SETTINGS
 
 #: Suffix matching looks for longer matches than prompt lookup's default 2: they choose better continuations.
 SUFFIX_NGRAM_SIZE = 4
-#: The settings hf_spec reads itself, beside transformers' merged generation config.
-READ_SETTINGS = ("num_assistant_tokens", "num_tree_nodes")
+#: The settings hf_spec reads itself, beside transformers' merged generation config (whose assisted-generation
+#: fields hold transformers' global defaults when nobody set them).
+READ_SETTINGS = ("num_tree_nodes", *ASSISTANT_SETTINGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +79,19 @@ def user_settings(kwargs: dict, generation_config: GenerationConfig | None, targ
 def plan_call(assistant_model: Any, generation_config: GenerationConfig, options: CallOptions) -> Rounds:
     """The round shape, drafter and sizer of a call; errors name the argument and its value."""
     lookup_tokens, ngram_size = resolve_prompt_lookup(generation_config)
-    num_assistant_tokens = options.settings.get("num_assistant_tokens")
-    num_tree_nodes = options.settings.get("num_tree_nodes")
+    settings = options.settings
+    num_assistant_tokens, num_tree_nodes = settings.get("num_assistant_tokens"), settings.get("num_tree_nodes")
+    schedule = settings.get("num_assistant_tokens_schedule")
+    threshold = check_threshold(settings.get("assistant_confidence_threshold"))
     is_tree = num_tree_nodes is not None
     drafter = make_drafter(assistant_model, tree=is_tree, prompt_lookup_num_tokens=lookup_tokens, ngram_size=ngram_size)
     if is_tree:
+        for name, value in (("num_assistant_tokens_schedule", schedule), ("assistant_confidence_threshold", threshold)):
+            if value not in (None, "constant"):
+                raise ValueError(f"`{name}`={value!r} shapes a chain of drafts; with `num_tree_nodes` the tree's "
+                                 "size comes from `num_tree_nodes` (an integer or 'auto'). Pass one of them.")
         return TreeRounds(drafter, resolve_tree_size(num_tree_nodes, num_assistant_tokens, lookup_tokens))
-    return ChainRounds(drafter, resolve_num_draft_tokens(num_assistant_tokens, lookup_tokens))
+    return ChainRounds(drafter, resolve_num_draft_tokens(num_assistant_tokens, lookup_tokens, schedule), threshold)
 
 
 def make_drafter(assistant_model: Any, *, tree: bool = False, prompt_lookup_num_tokens: int | None = None,
@@ -127,11 +136,22 @@ def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) ->
     sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths))
 
 
-def resolve_num_draft_tokens(value: Any, prompt_lookup_num_tokens: int | None = None
-                             ) -> FixedDraftLength | AutoDraftLength:
+def resolve_num_draft_tokens(value: Any, prompt_lookup_num_tokens: int | None = None, schedule: str | None = None
+                             ) -> FixedDraftLength | HeuristicDraftLength | AutoDraftLength:
     """How k is chosen: ``num_assistant_tokens`` (as `user_settings` found it), else ``prompt_lookup_num_tokens``,
     else `DEFAULT_NUM_DRAFT_TOKENS`. ``"auto"`` makes a new `AutoDraftLength` (at most ``prompt_lookup_num_tokens``
-    tokens with prompt lookup); an `AutoDraftLength` instance is used as is, keeping what it learnt in earlier calls."""
+    tokens with prompt lookup); an `AutoDraftLength` instance is used as is, keeping what it learnt in earlier calls.
+    ``schedule`` (transformers' ``num_assistant_tokens_schedule``) ``"heuristic"``/``"heuristic_transient"`` starts
+    a `HeuristicDraftLength` from k."""
+    if schedule not in (None, "constant", "heuristic", "heuristic_transient"):
+        raise ValueError(f"`num_assistant_tokens_schedule` must be 'constant', 'heuristic' or 'heuristic_transient', "
+                         f"but is {schedule!r}.")
+    if schedule in ("heuristic", "heuristic_transient"):
+        if isinstance(value, AutoDraftLength) or (isinstance(value, str) and value == "auto"):
+            raise ValueError(f"`num_assistant_tokens='auto'` and `num_assistant_tokens_schedule={schedule!r}` both "
+                             "choose k every round: pass one of them.")
+        start = resolve_num_draft_tokens(value, prompt_lookup_num_tokens)
+        return HeuristicDraftLength(start.num_draft_tokens)
     if value is None:
         value = prompt_lookup_num_tokens
     if value is None:
@@ -169,6 +189,15 @@ def resolve_tree_size(num_tree_nodes: Any, num_assistant_tokens: Any,
             "follow measured acceptance and costs."
         )
     return FixedTreeSize(num_tree_nodes, depth or num_tree_nodes)
+
+
+def check_threshold(threshold: Any) -> float | None:
+    """``assistant_confidence_threshold``: unset, or a number in [0, 1) (0: never stop early)."""
+    if threshold is None:
+        return None
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        raise ValueError(f"`assistant_confidence_threshold` must be a number in [0, 1), but is {threshold!r}.")
+    return float(threshold) or None
 
 
 def check_tree_nodes(num_tree_nodes: Any) -> None:

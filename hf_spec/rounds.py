@@ -60,6 +60,7 @@ class Rounds(abc.ABC):
 
     drafter: Drafter
     sizer: object  # chooses each round's size and learns from it (`hf_spec.drafting.draft_length`, `tree_size`)
+    stop_below: float | None = None  # a chain's confidence threshold (`hf_spec.drafting.base.DraftContext`)
 
     @property
     def is_timed(self) -> bool:
@@ -101,10 +102,12 @@ class Rounds(abc.ABC):
 
 
 class ChainRounds(Rounds):
-    """k draft tokens per row and round, k from ``sizer`` (`FixedDraftLength` or `AutoDraftLength`)."""
+    """k draft tokens per row and round, k from ``sizer`` (`FixedDraftLength`, `HeuristicDraftLength` or
+    `AutoDraftLength`); drafting stops early where the draft is less confident than ``stop_below`` (transformers'
+    ``assistant_confidence_threshold``, `hf_spec.drafting.base.DraftContext`)."""
 
-    def __init__(self, drafter: Drafter, sizer):
-        self.drafter, self.sizer = drafter, sizer
+    def __init__(self, drafter: Drafter, sizer, stop_below: float | None = None):
+        self.drafter, self.sizer, self.stop_below = drafter, sizer, stop_below
 
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal:
         return self.drafter.propose(batch, self.sizer.choose(tokens_left), context)

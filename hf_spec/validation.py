@@ -9,16 +9,19 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_spec.settings import check_settings
+
 #: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
 SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
 
 
-def validate_speculative_call(target: PreTrainedModel, generation_config: GenerationConfig,
-                              generation_mode_kwargs: dict[str, Any]) -> None:
-    """Refuse what the speculative loop cannot do exactly, before any forward pass (the drafter checks itself:
-    `hf_spec.drafting.base.Drafter.check`).
+def refuse_unsupported(target: PreTrainedModel, generation_config: GenerationConfig,
+                       generation_mode_kwargs: dict[str, Any], user_settings: dict[str, Any]) -> None:
+    """Refuse what the speculative loop cannot do exactly, before any forward pass and before transformers' own
+    handling of the settings (the drafter checks itself: `hf_spec.drafting.base.Drafter.check`).
 
-    May set ``generation_config.do_sample = False`` when ``temperature == 0`` (documented: greedy decoding).
+    Every setting goes through `hf_spec.settings.check_settings` (``user_settings``: the assisted-generation settings
+    where the user set them).
     """
     if target.config.is_encoder_decoder:
         raise ValueError(f"hf_spec supports decoder-only models; `model` ({type(target).__name__}) is an "
@@ -28,22 +31,18 @@ def validate_speculative_call(target: PreTrainedModel, generation_config: Genera
     if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
         raise ValueError(
             "Speculative decoding (`assistant_model` or `prompt_lookup_num_tokens`) supports greedy decoding and "
-            f"sampling only, but the "
-            f"generation settings select {base_mode.value!r} (num_beams={generation_config.num_beams}, "
-            f"penalty_alpha={generation_config.penalty_alpha}, constraints={generation_config.constraints})."
+            f"sampling only, but the generation settings select {base_mode.value!r} (num_beams="
+            f"{generation_config.num_beams}, penalty_alpha={generation_config.penalty_alpha}, constraints="
+            f"{generation_config.constraints}, dola_layers={generation_config.dola_layers})."
         )
-    if generation_config.num_return_sequences not in (None, 1):
-        raise ValueError(
-            "`num_return_sequences` must be 1 with `assistant_model`, but is "
-            f"{generation_config.num_return_sequences}; repeat the prompt in the batch instead."
-        )
-    if generation_config.use_cache is False:
-        raise ValueError("`use_cache=False` cannot be combined with `assistant_model`: speculation needs KV caches.")
-    for flag in ("output_attentions", "output_hidden_states"):
-        if getattr(generation_config, flag):
-            raise ValueError(f"`{flag}=True` is not supported with `assistant_model` (hf_spec returns scores/logits).")
-    _validate_sampling_settings(generation_config)
+    check_settings(generation_config, user_settings)
     _validate_tokenizers(generation_mode_kwargs)
+
+
+def validate_sampling_settings(generation_config: GenerationConfig) -> None:
+    """``temperature >= 0`` and ``top_p`` in (0, 1]; sets ``do_sample = False`` when ``temperature == 0``
+    (documented: the limit of sampling is greedy decoding; transformers would raise instead)."""
+    _validate_sampling_settings(generation_config)
 
 
 def _validate_sampling_settings(generation_config: GenerationConfig) -> None:

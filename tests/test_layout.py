@@ -27,8 +27,10 @@ ALGORITHM = sorted(path for path in [*ROOT.glob("*.py"), *(ROOT / "drafting").gl
                    if path.name not in ENTRY_POINTS)
 
 
-#: The one import of a tool by the algorithm's files: the facade's lazy ``hf_spec.DraftHead`` (not run at import).
-FACADE, LAZY_EXPORTS = ROOT / "__init__.py", {"hf_spec.heads", "hf_spec.heads.DraftHead"}
+#: The only imports of a tool by the algorithm's files: the facade's lazy ``hf_spec.DraftHead``, ``load_pair`` and
+#: ``prepare_pair`` (not run at import; `test_importing_hf_spec_loads_the_algorithm_only` checks).
+FACADE, LAZY_EXPORTS = ROOT / "__init__.py", {"hf_spec.heads", "hf_spec.heads.DraftHead", "hf_spec.loading",
+                                               "hf_spec.loading.pair"}
 
 
 def imported_modules(path: Path) -> set[str]:

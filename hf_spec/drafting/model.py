@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_spec.caches import crop_to, new_cache, select_rows
-from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, stack_laws
+from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
 from hf_spec.forward import extend_mask, forward_missing, position_table
 from hf_spec.rows import RaggedBatch
@@ -36,9 +36,12 @@ class ModelDrafter(Drafter):
             )  # [active, 1, draft vocab]
             next_ids, step_probs, step_invalid = draw_next(logits[:, 0], batch, draft_ids, context)
             is_invalid |= step_invalid
-            probs += [step_probs] if step_probs is not None else []
+            probs += [step_probs] if context.do_sample else []
             draft_ids = torch.cat([draft_ids, next_ids.unsqueeze(1)], dim=1)
-        return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid, num_model_steps=num_draft_tokens)
+            if is_unconfident(step_probs, next_ids, context):
+                break
+        return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
+                        num_model_steps=draft_ids.shape[1])
 
     def reset(self) -> None:
         self.cache = new_cache(self.model)

@@ -43,7 +43,15 @@ class SuffixDrafter(TreeDrafter):
         if min_ngram_size > max_ngram_size:
             raise ValueError(f"`min_ngram_size` ({min_ngram_size}) must not exceed `max_ngram_size` "
                              f"({max_ngram_size}).")
-        self.corpus = [torch.as_tensor(document).view(-1) for document in corpus or []]
+        self.corpus = _check_corpus(corpus)
+
+    def check(self, target, max_length: int) -> None:
+        """The corpus's ids must be ids of the target's vocabulary."""
+        vocab_size = target.config.get_text_config().vocab_size
+        for document in self.corpus:
+            if document.numel() and int(document.max()) >= vocab_size:
+                raise ValueError(f"`corpus` holds id {int(document.max())}, but the model's vocabulary has "
+                                 f"{vocab_size} ids (0 to {vocab_size - 1}); tokenize it with the target's tokenizer.")
 
     def propose_tree(self, batch: RaggedBatch, num_nodes: int, max_depth: int, context: DraftContext,
                      branching: int | None = None) -> DraftTree:
@@ -68,6 +76,27 @@ class SuffixDrafter(TreeDrafter):
             tokens, _ = heaviest_subtree(found, num_draft_tokens, branching=1)
             chains.append(torch.tensor(tokens, dtype=ids.dtype, device=ids.device))
         return point_mass_proposal(chains, batch, context)
+
+
+def _check_corpus(corpus) -> list[torch.Tensor]:
+    """``corpus`` as 1-D int64 tensors; an error naming ``corpus`` for anything but a list of token-id sequences."""
+    if corpus is None:
+        return []
+    if isinstance(corpus, (str, bytes, torch.Tensor)) or not isinstance(corpus, (list, tuple)):
+        raise ValueError(f"`corpus` must be a list of token-id sequences (lists or 1-D tensors of ids), but is a "
+                         f"{type(corpus).__name__}.")
+    documents = []
+    for index, document in enumerate(corpus):
+        ids = torch.as_tensor(document)
+        if ids.dim() != 1:
+            raise ValueError(f"`corpus`[{index}] must be a 1-D sequence of token ids, but has shape "
+                             f"{tuple(ids.shape)}.")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"`corpus`[{index}] must hold integer token ids, but holds {ids.dtype} values.")
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(f"`corpus`[{index}] holds a negative id ({int(ids.min())}).")
+        documents.append(ids.long())
+    return documents
 
 
 def continuations(ids: torch.Tensor, corpus: list[torch.Tensor], max_ngram_size: int, min_ngram_size: int,

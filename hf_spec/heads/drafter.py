@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
-from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, stack_laws
+from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
 from hf_spec.drafting.costs import synchronize
 from hf_spec.forward import extend_mask, tree_attention_mask
@@ -113,8 +113,10 @@ class HeadDrafter(Drafter):
         for i in range(num_draft_tokens):
             next_ids, step_probs, step_invalid = draw_next(output.logits[:, -1].float(), batch, draft_ids, context)
             is_invalid |= step_invalid
-            probs += [step_probs] if step_probs is not None else []
+            probs += [step_probs] if context.do_sample else []
             draft_ids = torch.cat([draft_ids, next_ids.unsqueeze(1)], dim=1)
+            if is_unconfident(step_probs, next_ids, context):
+                break
             if i + 1 < num_draft_tokens:  # the entry of column columns + i: (h, the token just drawn)
                 output = self.head(
                     next_ids.unsqueeze(1), predicted=output.hidden_states[:, -1:],
@@ -122,7 +124,7 @@ class HeadDrafter(Drafter):
                     cache=self.cache, logits_to_keep=1,
                 )
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
-                        num_model_steps=num_draft_tokens)
+                        num_model_steps=draft_ids.shape[1])
 
     def _read_entries(self, model_ids: torch.Tensor, real: torch.Tensor, positions: torch.Tensor):
         """One head pass over the entries of columns ``read .. columns - 1``; each pairs the column's token with the

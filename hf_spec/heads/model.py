@@ -109,6 +109,15 @@ class DraftHead(PreTrainedModel):
         self.post_init()
         self._target: weakref.ref | None = None  # the model `attach` read the embeddings and LM head from
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> DraftHead:
+        """transformers' ``from_pretrained``; a local folder without ``config.json`` is named as such first."""
+        folder = Path(str(pretrained_model_name_or_path)).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} holds no config.json, so it is not a saved draft head "
+                                    "(DraftHead.save_pretrained writes one).")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     def attach(self, target: PreTrainedModel) -> DraftHead:
         """Read the embeddings and the LM head from ``target`` (checked to be the target this head was built for),
         in the head's dtype and device: the target's own tensors when those match, never a saved copy. The LM head

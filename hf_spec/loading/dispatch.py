@@ -12,15 +12,16 @@ from transformers import PreTrainedModel
 
 #: The dispatch hooks registered per model: held here, never written onto the model.
 _HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Held through every pass that switches oneDNN off, so two threads never see each other's switch.
-_ONEDNN_SWITCH = threading.RLock()
+#: Held through every pass of a dispatching model (and `hf_spec.loading.packed`'s timing), so two threads never see
+#: each other's switch of the process-wide oneDNN flag.
+ONEDNN_SWITCH = threading.RLock()
 
 
 def dispatching(model: PreTrainedModel, path):
     """Run passes of at most ``path.aten_max_rows`` rows with oneDNN switched off, restored after every pass.
 
     ``torch.backends.mkldnn.enabled`` is one flag for the whole process, and torch has no per-thread form of it. So
-    every pass of a dispatching model holds `_ONEDNN_SWITCH` from its start to its end: passes of optimized models in
+    every pass of a dispatching model holds `ONEDNN_SWITCH` from its start to its end: passes of optimized models in
     several threads take turns, none runs while another has switched the flag, and the flag is back to the caller's
     value after each. Code outside hf_spec running in another thread during a 1-token pass sees oneDNN off for that
     pass (docs/cpu_kernels.md).
@@ -30,7 +31,7 @@ def dispatching(model: PreTrainedModel, path):
     def before(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids.numel() if ids is not None else kwargs["inputs_embeds"].shape[:-1].numel()
-        _ONEDNN_SWITCH.acquire()
+        ONEDNN_SWITCH.acquire()
         passes.__dict__.setdefault("stack", []).append(torch.backends.mkldnn.enabled)
         if rows <= path.aten_max_rows:
             torch.backends.mkldnn.enabled = False
@@ -39,7 +40,7 @@ def dispatching(model: PreTrainedModel, path):
         saved = passes.__dict__.get("stack")
         if saved:
             torch.backends.mkldnn.enabled = saved.pop()
-            _ONEDNN_SWITCH.release()
+            ONEDNN_SWITCH.release()
 
     if path.aten_max_rows > 0:
         _HANDLES[model] = (model.register_forward_pre_hook(before, with_kwargs=True),

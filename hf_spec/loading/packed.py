@@ -40,8 +40,9 @@ from transformers import PreTrainedModel
 from hf_spec.caches import cache_length, crop_to, new_cache
 from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.drafting.costs import forget_costs
+from hf_spec.forward import position_table
 from hf_spec.loading.cpu import release_freed_memory
-from hf_spec.loading.dispatch import dispatching, stop_dispatch
+from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +248,15 @@ def _keep(model: PreTrainedModel, path: CpuPath) -> CpuPath:
 def time_passes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict[bool, dict[int, float]]:
     """Median seconds of a pass over each of ``widths`` tokens, with oneDNN on (``True``) and off, interleaved, after
     one prefill of `PREFIX_LENGTH` random ids (made with oneDNN on: torch's bf16 kernels are slow for it)."""
-    prefix_ids = torch.randint(model.get_input_embeddings().num_embeddings, (1, PREFIX_LENGTH),
+    positions = min(position_table(model) or PREFIX_LENGTH + max(widths),
+                    getattr(model.config.get_text_config(), "max_position_embeddings", None) or PREFIX_LENGTH + 64)
+    length = max(1, min(PREFIX_LENGTH, positions - max(widths)))  # the prefix and the widest pass fit the table
+    prefix_ids = torch.randint(model.get_input_embeddings().num_embeddings, (1, length),
                                generator=torch.Generator().manual_seed(0))
     cache = new_cache(model)
-    was_enabled = torch.backends.mkldnn.enabled
     seconds = {mode: {width: [] for width in widths} for mode in (True, False)}
+    ONEDNN_SWITCH.acquire()  # no other thread's pass runs while the flag is switched here
+    was_enabled = torch.backends.mkldnn.enabled
     try:
         torch.backends.mkldnn.enabled = True
         model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -261,11 +266,13 @@ def time_passes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict
                 torch.backends.mkldnn.enabled = mode
                 for width in widths:
                     started = time.perf_counter()
-                    model(input_ids=prefix_ids[:, :width], cache=cache, use_cache=True, logits_to_keep=width)
+                    model(input_ids=prefix_ids[:, -1:].expand(-1, width), cache=cache, use_cache=True,
+                          logits_to_keep=width)
                     seconds[mode][width].append(time.perf_counter() - started)
                     crop_to(cache, prefix)
     finally:
         torch.backends.mkldnn.enabled = was_enabled
+        ONEDNN_SWITCH.release()
     return {mode: {width: float(np.median(values)) for width, values in by_width.items()}
             for mode, by_width in seconds.items()}
 

@@ -75,6 +75,18 @@ class Pair:
     target_path: packed.CpuPath | None = None
     draft_path: packed.CpuPath | None = None
 
+    def save(self, folder: str | Path) -> tuple[str, str]:
+        """Save the target and the draft, each with the tokenizer, as ordinary checkpoints in ``folder/target`` and
+        ``folder/draft`` (packed layers save their dense weights); returns the two folders."""
+        folders = []
+        for name, model in (("target", self.target), ("draft", self.draft)):
+            path = Path(folder) / name
+            model.save_pretrained(path)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(path)
+            folders.append(str(path))
+        return folders[0], folders[1]
+
     def describe(self) -> str:
         vocabulary = pruned_size(self.draft)
         full = self.draft.config.get_text_config().vocab_size

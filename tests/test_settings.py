@@ -1,0 +1,155 @@
+"""Every transformers generation setting is honoured, refused by name, or warned about (`hf_spec.settings`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import exact_law, resample_from_p, sample_speculative
+from transformers import GenerationConfig, WatermarkingConfig
+
+from hf_spec import speculative
+from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.loading.tiny import build_tiny_pair
+from hf_spec.settings import METADATA, REFUSED, SETTINGS, WARNED, settings_table
+
+PROMPT = torch.tensor([[1, 2, 3, 4]])
+DOCS = Path(__file__).parent.parent / "docs" / "generation.md"
+
+
+def test_the_table_covers_every_generation_setting():
+    fields = set(GenerationConfig().to_dict()) | set(GenerationConfig._get_default_generation_params())
+    assert fields - set(SETTINGS) == set(), "a transformers setting hf_spec says nothing about"
+    assert set(SETTINGS) - fields == set(), "a setting transformers no longer has"
+
+
+def test_the_docs_print_the_table():
+    assert settings_table() in DOCS.read_text()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = build_tiny_pair(seed=9)
+    return speculative(target), draft
+
+
+REFUSED_VALUES = {
+    "guidance_scale": 1.5, "num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5, "penalty_alpha": 0.6,
+    "dola_layers": "low", "constraints": ["a"], "force_words_ids": [[1]], "num_return_sequences": 2,
+    "output_attentions": True, "output_hidden_states": True, "use_cache": False, "cache_implementation": "static",
+    "assistant_ensemble_weight": 0.5,
+}
+WARNED_VALUES = {"prefill_chunk_size": 4, "max_cache_len": 64, "compile_config": {"fullgraph": True},
+                 "assistant_lookbehind": 3, "target_lookbehind": 3}
+
+
+def test_every_refused_setting_has_a_refused_value_here():
+    refusable = {name for name, treatment in SETTINGS.items()
+                 if treatment.kind == REFUSED or (treatment.kind == "honoured" and treatment.problem is not None)}
+    assert set(REFUSED_VALUES) == refusable
+    assert set(WARNED_VALUES) == {name for name, treatment in SETTINGS.items() if treatment.kind == WARNED}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
+def test_a_refused_setting_is_an_error_naming_it(pair, name):
+    target, draft = pair
+    extra = {"num_beams": 2} if name in ("num_beam_groups", "diversity_penalty") else {}
+    with pytest.raises(ValueError, match=f"`{name}|supports greedy decoding and sampling only") as error:
+        target.generate(PROMPT, assistant_model=draft, max_new_tokens=4, **{name: REFUSED_VALUES[name], **extra})
+    assert name in str(error.value) or "select" in str(error.value)
+
+
+@pytest.mark.parametrize("name", sorted(WARNED_VALUES))
+def test_a_warned_setting_says_what_runs_instead(pair, name, caplog):
+    target, draft = pair
+    value = WARNED_VALUES[name]
+    if name == "compile_config":
+        from transformers import CompileConfig
+
+        value = CompileConfig(fullgraph=True)
+    with caplog.at_level(logging.WARNING, logger="hf_spec.settings"):
+        output = target.generate(PROMPT, assistant_model=draft, max_new_tokens=6, do_sample=False, **{name: value})
+    assert output.shape[1] == PROMPT.shape[1] + 6
+    assert f"`{name}`" in caplog.text or "hf_spec.settings" not in caplog.text  # said once per process
+
+
+def test_transformers_global_defaults_turn_nothing_on(pair):
+    """transformers' defaults hold assistant_confidence_threshold = 0.4 and 20 assistant tokens; hf_spec reads only
+    what a user set: k = 5, no early stop."""
+    target, draft = pair
+    output = target.generate(PROMPT, assistant_model=draft, max_new_tokens=30, do_sample=False,
+                             return_dict_in_generate=True)
+    assert output.speculative_stats.rounds_by_draft_length[5] >= output.speculative_stats.num_rounds - 2
+
+
+def test_the_heuristic_schedule_grows_and_shrinks_k(pair):
+    target, _ = pair
+    ks = []
+    for schedule in ("heuristic", "heuristic_transient"):
+        output = target.generate(PROMPT, assistant_model=target, max_new_tokens=40, do_sample=False,
+                                 num_assistant_tokens=2, num_assistant_tokens_schedule=schedule,
+                                 return_dict_in_generate=True)
+        counts = output.speculative_stats.rounds_by_draft_length
+        ks.append([k for k, count in enumerate(counts) if count])
+    # the target as its own draft: every round accepted in full, so k goes 2, 4, 6, ... (cut near max_length)
+    assert ks[0] == ks[1] and {2, 4, 6} <= set(ks[0])
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        target.generate(PROMPT, assistant_model=target, max_new_tokens=4, num_assistant_tokens_schedule="fast")
+    with pytest.raises(ValueError, match="both choose k"):
+        target.generate(PROMPT, assistant_model=target, max_new_tokens=4, num_assistant_tokens="auto",
+                        num_assistant_tokens_schedule="heuristic")
+
+
+def test_the_confidence_threshold_stops_drafting_early(pair):
+    target, draft = pair
+    outputs = [target.generate(PROMPT, assistant_model=draft, max_new_tokens=40, do_sample=False,
+                               num_assistant_tokens=8, return_dict_in_generate=True, **extra)
+               for extra in ({}, {"assistant_confidence_threshold": 0.99})]
+    plain, early = (output.speculative_stats for output in outputs)
+    assert early.mean_draft_length < plain.mean_draft_length
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences), "greedy output is the target's either way"
+    with pytest.raises(ValueError, match="`assistant_confidence_threshold` must be a number in \\[0, 1\\)"):
+        target.generate(PROMPT, assistant_model=draft, max_new_tokens=4, assistant_confidence_threshold=1.5)
+    with pytest.raises(ValueError, match="shapes a chain of drafts"):
+        target.generate(PROMPT, assistant_model=draft, max_new_tokens=4, assistant_confidence_threshold=0.5,
+                        num_tree_nodes=4)
+
+
+@pytest.mark.parametrize("extra", [{"assistant_confidence_threshold": 0.6},
+                                   {"num_assistant_tokens_schedule": "heuristic"}], ids=["threshold", "heuristic"])
+def test_early_stops_and_schedules_keep_the_target_law(small_target, small_draft, extra):
+    samples = sample_speculative(small_target, small_draft, {"top_k": 3}, [], 3, seed=41, **extra)
+    assert fit_sequences(samples, exact_law(small_target, {"top_k": 3}, [])).is_consistent
+
+
+def test_negative_control_an_early_stop_with_a_broken_rule_is_caught(small_target, small_draft, monkeypatch):
+    import hf_spec.rounds
+
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
+    samples = sample_speculative(small_target, small_draft, {"top_k": 3}, [], 3, seed=42,
+                                 assistant_confidence_threshold=0.6)
+    assert not fit_sequences(samples, exact_law(small_target, {"top_k": 3}, [])).is_consistent
+
+
+def test_settings_in_a_generation_config_are_honoured(pair):
+    """`num_tree_nodes` and `num_assistant_tokens` in a GenerationConfig passed to the call, or in the target's."""
+    target, draft = pair
+    config = GenerationConfig(num_tree_nodes=5, num_assistant_tokens=3, max_new_tokens=12, do_sample=False)
+    output = target.generate(PROMPT, assistant_model=draft, generation_config=config, return_dict_in_generate=True)
+    counts = output.speculative_stats.rounds_by_draft_length
+    assert max(k for k, count in enumerate(counts) if count) == 5, "trees of 5 nodes, not chains of 3"
+
+
+def test_metadata_fields_are_marked():
+    assert SETTINGS["transformers_version"].kind == METADATA
+
+
+def test_a_watermark_runs_in_the_chain(pair):
+    target, draft = pair
+    config = WatermarkingConfig(bias=2.0)
+    expected = target.generate(PROMPT, max_new_tokens=8, do_sample=False, watermarking_config=config)
+    output = target.generate(PROMPT, assistant_model=draft, max_new_tokens=8, do_sample=False,
+                             watermarking_config=config)
+    assert torch.equal(output, expected)
