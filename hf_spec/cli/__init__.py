@@ -14,6 +14,7 @@ import sys
 
 from hf_spec import __version__
 from hf_spec.cli import bench, distill, eval_draft, generate, train_head
+from hf_spec.loading.pair import model_name
 
 SUBCOMMANDS = (generate, bench, eval_draft, distill, train_head)
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version, or a bad option (already printed)
         return int(exit_.code or 0)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
+    for option in ("target", "draft"):  # the names the loaders will use ($HF_SPEC_MODELS=tiny: the tiny pair)
+        if isinstance(getattr(args, option, None), str):
+            setattr(args, option, model_name(getattr(args, option)))
     try:
         return args.run(args)
     except Exception as error:  # noqa: BLE001 (the one place that turns any failure into one line)

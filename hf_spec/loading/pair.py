@@ -8,8 +8,9 @@ What the command line does for every subcommand, as a library call for notebooks
     >>> pair.target.generate(**inputs, assistant_model=pair.draft, max_new_tokens=64)
     >>> print(pair.describe())  # the dtype and CPU forward path chosen, with what was measured
 
-``$HF_SPEC_MODELS=tiny`` makes `load_pair` load the built-in tiny pair whatever the names (how the test suite runs
-the README's and the docs' examples); ``real`` or unset leaves the names alone.
+``$HF_SPEC_MODELS=tiny`` makes every loader here load the tiny pair in place of the built-in real models (how the
+test suite runs the README's and the docs' examples); folders and Hub ids are left alone, and ``real`` or unset leaves
+everything alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hf_spec.drafting.vocabulary import prune_vocabulary, pruned_size
 from hf_spec.heads.model import DraftHead, is_draft_head_folder
 from hf_spec.loading import packed
 from hf_spec.loading.cpu import default_dtype
-from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir, is_converted, load
+from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, cache_dir, is_converted, load
 from hf_spec.loading.quantization import first_device, quantized_copy
 from hf_spec.loading.tiny import build_tiny_pair, tiny_tokenizer
 from hf_spec.loading.vocabulary import draft_vocabulary
@@ -123,9 +124,7 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             target.
     """
     dtype = resolve_dtype(dtype)
-    if _forced_models() == TINY and (target, draft) != (TINY, TINY):
-        logger.info("$%s=tiny: loading the tiny pair instead of %s and %s", MODELS_VARIABLE, target, draft)
-        target, draft = TINY, TINY
+    target, draft = model_name(target), model_name(draft)
     target_model, tokenizer = load_model(target, dtype=dtype, quantize=quantize, seed=seed)
     if is_draft_head_folder(draft):
         if draft_vocab is not None:
@@ -179,10 +178,19 @@ def load_model(name: str, *, dtype: torch.dtype | str = "fastest", quantize: str
                role: str = "target") -> tuple[PreTrainedModel, object]:
     """``(model, tokenizer)`` of a built-in name, folder or Hub id; for ``"tiny"``, the tiny pair's target or draft
     (``role``)."""
+    name = model_name(name)
     if name != TINY:
         return load(name, dtype=resolve_dtype(dtype), quantize=quantize)
     model = build_tiny_pair(seed=seed)[0 if role == "target" else 1]
     return (quantized_copy(model, quantize) if quantize else model), tiny_tokenizer()
+
+
+def model_name(name: str) -> str:
+    """The name a loader uses: ``"tiny"`` in place of a built-in real model under ``$HF_SPEC_MODELS=tiny``."""
+    if _forced_models() == TINY and name in PACKAGED_MODELS:
+        logger.info("$%s=tiny: the tiny pair in place of %s", MODELS_VARIABLE, name)
+        return TINY
+    return name
 
 
 def _forced_models() -> str | None:
