@@ -208,3 +208,21 @@ def test_text_workloads_hold_out_the_first_prompts_by_offset():
 
     workloads = text_workloads(tokenizer, ("code",), 2, offset=5)
     assert seen == [problem["prompt"] for problem in humaneval_problems()[5:7]] and len(workloads["code"]) == 2
+
+
+def test_the_library_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
+    """A notebook calling `train_and_evaluate_head` or `bench.report.plot` keeps its inline backend and open figures."""
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from hf_spec.evaluation.head_pipeline import plot_curve
+
+    previous = matplotlib.get_backend()
+    matplotlib.use("svg")  # a backend the library has no reason to pick (switching to Agg was the old defect)
+    try:
+        open_figures = plt.get_fignums()
+        plot_curve([{"step": 1, "eval_loss": 1.0, "eval_agreement": 0.5}], 0.1, tmp_path / "curve.png")
+        assert (tmp_path / "curve.png").stat().st_size > 0
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == open_figures
+    finally:
+        matplotlib.use(previous)

@@ -186,15 +186,14 @@ def format_cost_table(table: dict) -> str:
 
 def plot(report: dict, path: str) -> None:
     """Speed-up over target-only (bars; the formula's prediction as a tick where it applies) and tokens per pass."""
-    matplotlib = require("matplotlib", "cli", "hf-spec bench's plot")
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "cli", "hf-spec bench's plot")
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) stays as it is
 
     rows = report["results"]
     groups = list(dict.fromkeys((row["workload"], row["setting"]) for row in rows))
     methods = [m for m in report["config"]["methods"] if m != "target_only"]
-    figure, (speed, passes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure = Figure(figsize=(12, 4.5))
+    speed, passes = figure.subplots(1, 2)
     width = 0.8 / max(1, len(methods))
     by_key = {(row["workload"], row["setting"], row["method"]): row for row in rows}
     has_prediction = False
@@ -219,4 +218,3 @@ def plot(report: dict, path: str) -> None:
                     f"{machine['cuda'] or machine['cpu']}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)

@@ -85,15 +85,14 @@ def train_and_evaluate_head(target: PreTrainedModel, sequences: list[list[int]],
 
 def plot_curve(curve: list[dict], start: float, path: Path) -> None:
     """Held-out agreement at block position 0 against training steps (step 0: the untrained head)."""
-    matplotlib = require("matplotlib", "train", "The head's learning-curve plot")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "train", "The head's learning-curve plot")
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) stays as it is
 
-    figure, axes = plt.subplots(figsize=(6, 3.5))
+    figure = Figure(figsize=(6, 3.5))
+    axes = figure.subplots()
     axes.plot([0] + [point["step"] for point in curve], [start] + [point["eval_agreement"] for point in curve],
               marker="o")
     axes.set(xlabel="training step", ylabel="held-out top-1 agreement", title="draft head, block position 0",
              ylim=(0, 1))
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
