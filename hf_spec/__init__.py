@@ -6,7 +6,7 @@
 
 The algorithm sits at the top of the package (mixin, plan, validation, decoding, rounds, rejection, rows, caches,
 forward, stats, recording, compat) with `hf_spec.drafting` (the drafters and how much to draft). The tools sit in
-folders beside it and import the algorithm, never the other way round: `hf_spec.heads` (EAGLE-style draft heads),
+folders beside it and import the algorithm, never the other way round: `hf_spec.heads` (draft heads: EAGLE-style, and EAGLE-3 in the speculators format),
 `hf_spec.loading` (models, CPU kernels), `hf_spec.evaluation` (draft fit, distillation, texts), `hf_spec.bench`,
 `hf_spec.cli`. The acceptance rule's pure functions are in `hf_spec.rejection`.
 """
@@ -31,6 +31,7 @@ __all__ = [
     "AutoTreeSize",
     "DraftHead",
     "Drafter",
+    "Eagle3Head",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
@@ -44,10 +45,10 @@ __all__ = [
 
 def __getattr__(name: str):
     """The tools' entry points are imported on first use: ``import hf_spec`` loads the algorithm only."""
-    if name == "DraftHead":
-        from hf_spec.heads import DraftHead
+    if name in ("DraftHead", "Eagle3Head"):
+        import hf_spec.heads
 
-        return DraftHead
+        return getattr(hf_spec.heads, name)
     if name in ("load_pair", "prepare_pair"):
         from hf_spec.loading import pair
 

@@ -137,16 +137,18 @@ def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, atte
 
 
 def tree_attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
-    """``visible`` ``[queries, keys]`` bool as ``[1, 1, queries, keys]``, in the form the model's attention takes a
-    custom mask: boolean (sdpa, flex) or additive (eager); flash attention cannot take one."""
+    """``visible`` ``[queries, keys]`` (or ``[batch, queries, keys]``) bool as ``[1 or batch, 1, queries, keys]``, in
+    the form the model's attention takes a custom mask: boolean (sdpa, flex) or additive (eager); flash attention
+    cannot take one."""
     implementation = attention_implementation(model)
     if "flash" in implementation:
         raise ValueError(f"Tree verification needs a custom attention mask, which attn_implementation="
                          f"{implementation!r} cannot take; load the model with attn_implementation='sdpa'.")
     if implementation == "eager":
-        return torch.zeros(visible.shape, dtype=model.dtype, device=visible.device).masked_fill_(
-            ~visible, torch.finfo(model.dtype).min)[None, None]
-    return visible[None, None]
+        additive = torch.zeros(visible.shape, dtype=model.dtype, device=visible.device).masked_fill_(
+            ~visible, torch.finfo(model.dtype).min)
+        return additive[None, None] if visible.dim() == 2 else additive[:, None]
+    return visible[None, None] if visible.dim() == 2 else visible[:, None]
 
 
 @functools.cache

@@ -55,6 +55,26 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+# --- Draft heads ----------------------------------------------------------------------------------------------------
+
+
+def head_reference_laws(target, head, row_ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """``[k, V]``: a draft head's raw laws for a row's drafts, from scratch: one target pass over the whole unpadded
+    row for the features, then the head over every pair without a cache, feeding its own h back at drafted
+    positions (`hf_spec.heads.base`'s interface: any head architecture)."""
+    with torch.no_grad():
+        hidden = target(row_ids[None], output_hidden_states=head.config.feature_layers).hidden_states
+        features = torch.cat([hidden[i] for i in head.config.feature_layers], dim=-1)[:, :-1]  # [1, n - 1, F]
+        fused = head.read_features(features)
+        tokens, laws = row_ids[1:], []
+        for i in range(draft_ids.shape[0]):
+            output = head(tokens[None], predicted=fused)
+            laws.append(torch.softmax(output.logits[0, -1].float(), dim=-1))
+            tokens = torch.cat([tokens, draft_ids[i: i + 1]])
+            fused = torch.cat([fused, output.hidden_states[:, -1:]], dim=1)
+    return torch.stack(laws)
+
+
 # --- The exactness harness ---------------------------------------------------------------------------------------
 
 VOCAB = 4

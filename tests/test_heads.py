@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BanSuccessorOfLastToken, exact_law, make_tiny_model, with_length
+from helpers import BanSuccessorOfLastToken, exact_law, head_reference_laws, make_tiny_model, with_length
 from transformers import AutoModel, LogitsProcessorList
 
 import hf_spec.drafting.branching
@@ -21,8 +21,9 @@ from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.evaluation.head_training import evaluate_head, feature_dataset, train_head
 from hf_spec.heads import DraftHead
 from hf_spec.heads.drafter import HeadDrafter, HeadTreeDrafter
+from hf_spec.heads.eagle3 import Eagle3Head
 
-LAYER_CHOICES = {"eagle1": [-1], "eagle3": [0, 1, -1]}
+LAYER_CHOICES = {"eagle1": [-1], "fused": [0, 1, -1]}
 
 
 @pytest.fixture(scope="module")
@@ -30,30 +31,21 @@ def target():
     return speculative(make_tiny_model(seed=3, vocab_size=64, num_layers=2))
 
 
-@pytest.fixture(scope="module", params=list(LAYER_CHOICES))
+@pytest.fixture(scope="module", params=[*LAYER_CHOICES, "eagle3"])
 def head(request, target):
-    head = DraftHead.from_target(target, feature_layers=LAYER_CHOICES[request.param])
+    """A `DraftHead` reading the last layer or fused layers, and an `Eagle3Head` with a draft vocabulary of half the
+    ids: every test of the loop's bookkeeping runs on both architectures."""
+    if request.param == "eagle3":
+        head = Eagle3Head.from_target(target, aux_layers=[0, 1, 2], draft_vocab=list(range(0, 64, 2)))
+        layers = head.layers
+    else:
+        head = DraftHead.from_target(target, feature_layers=LAYER_CHOICES[request.param])
+        layers = head.decoder.get_decoder().layers
     with torch.no_grad():  # an untrained head agrees with nothing; perturb it so that its laws are its own
         generator = torch.Generator().manual_seed(1)
-        for parameter in head.decoder.get_decoder().layers.parameters():
+        for parameter in layers.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
     return head
-
-
-def reference_laws(target, head, row_ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """``[k, V]``: the head's raw laws for a row's drafts, from scratch: one target pass over the whole unpadded row
-    for the features, then the head over every pair without a cache, feeding its own h back at drafted positions."""
-    with torch.no_grad():
-        hidden = target(row_ids[None], output_hidden_states=head.config.feature_layers).hidden_states
-        features = torch.cat([hidden[i] for i in head.config.feature_layers], dim=-1)[:, :-1]  # [1, n - 1, F]
-        fused = head.fuse(features)
-        tokens, laws = row_ids[1:], []
-        for i in range(draft_ids.shape[0]):
-            output = head(tokens[None], predicted=fused)
-            laws.append(F.softmax(output.logits[0, -1].float(), dim=-1))
-            tokens = torch.cat([tokens, draft_ids[i: i + 1]])
-            fused = torch.cat([fused, output.hidden_states[:, -1:]], dim=1)
-    return torch.stack(laws)
 
 
 def test_drafts_equal_a_from_scratch_reference_in_a_ragged_batch(target, head, monkeypatch):
@@ -80,7 +72,7 @@ def test_drafts_equal_a_from_scratch_reference_in_a_ragged_batch(target, head, m
             if draft_ids.shape[1] == 0:
                 continue
             real = model_ids[row] if model_mask is None else model_ids[row][model_mask[row].bool()]
-            expected = reference_laws(target, head, real, draft_ids[row])
+            expected = head_reference_laws(target, head, real, draft_ids[row])
             torch.testing.assert_close(draft_probs[row], expected, atol=2e-5, rtol=1e-4)
             checked += 1
     assert checked >= 6 and len(rounds) >= 3
@@ -134,7 +126,7 @@ def test_tree_nodes_equal_a_from_scratch_reference_in_a_padded_row(target, head,
         real = model_ids[0][model_mask[0].bool()]
         for node in range(tree.num_nodes):
             path = path_to(tree.parents, node)
-            expected = reference_laws(target, head, real, tree.token_ids[path])[-1]
+            expected = head_reference_laws(target, head, real, tree.token_ids[path])[-1]
             torch.testing.assert_close(tree.draft_probs[node], expected, atol=2e-5, rtol=1e-4)
             checked += 1
     assert len(rounds) >= 3 and max(max(tree.depths, default=0) for *_, tree in rounds) == 3 and checked >= 12
@@ -204,8 +196,10 @@ def test_negative_control_laws_without_the_processor_chain_are_caught(small_pair
 
 def test_save_and_load_round_trip(target, head, tmp_path):
     head.save_pretrained(tmp_path / "head")
-    for loaded in (DraftHead.from_pretrained(tmp_path / "head"), AutoModel.from_pretrained(tmp_path / "head")):
-        assert isinstance(loaded, DraftHead)
+    kind = type(head)
+    loaders = [kind.from_pretrained] + ([AutoModel.from_pretrained] if kind is DraftHead else [])
+    for loaded in (load(tmp_path / "head") for load in loaders):
+        assert isinstance(loaded, kind)
         assert loaded.config.feature_layers == head.config.feature_layers
         for name, tensor in head.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], tensor), name
@@ -219,7 +213,9 @@ def test_save_and_load_round_trip(target, head, tmp_path):
 
 def test_a_head_for_another_target_is_refused_by_name(head):
     other = speculative(make_tiny_model(seed=3, vocab_size=128, num_layers=2))
-    built_for = r"`assistant_model` is a draft head built for .*\(2, 64, 64\).*\(2, 64, 128\)"
+    built_for = (r"`assistant_model` is an EAGLE-3 head for .*'vocabulary': 64.*'vocabulary': 128"
+                 if isinstance(head, Eagle3Head) else
+                 r"`assistant_model` is a draft head built for .*\(2, 64, 64\).*\(2, 64, 128\)")
     with pytest.raises(ValueError, match=built_for):
         other.generate(torch.tensor([[1, 2, 3]]), assistant_model=head, max_new_tokens=4)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hf_spec.drafting.vocabulary import prune_vocabulary
-from hf_spec.heads.model import DraftHead, is_draft_head_folder
+from hf_spec.heads.saved import head_kind, load_head
 from hf_spec.loading import packed
 from hf_spec.loading.pair import Pair, load_model
 from hf_spec.loading.quantization import first_device
@@ -66,9 +66,8 @@ def bench_variants(pair: Pair, target_name: str, *, quantized: tuple[str, ...] =
 
 def _other_draft(pair: Pair, target_name: str, name: str, dtype: torch.dtype, optimize: bool, seed: int):
     """A draft model or head from ``name``, checked against the pair's target, on its fastest path for steps."""
-    if is_draft_head_folder(name):
-        head = DraftHead.from_pretrained(name).to(dtype=dtype, device=pair.target.device).eval()
-        head.attach(pair.target)  # checks that the head was built for this target
+    if head_kind(name) is not None:
+        head = load_head(name, pair.target, dtype)  # checks that the head was built for this target
         if optimize:
             packed.optimize(head, path="dense", role="steps")
         return head

@@ -1,4 +1,6 @@
-"""``hf-spec train-head``: train an EAGLE-style draft head on the target's hidden states (transformers' `Trainer`).
+"""``hf-spec train-head``: train a draft head on the target's hidden states (transformers' `Trainer`): hf_spec's
+EAGLE-style `DraftHead` (``--architecture eagle``), or an EAGLE-3 head saved in the speculators format that ``vllm
+serve`` and SGLang load (``--architecture eagle3``, with EAGLE-3's training-time test).
 
 Runs as it is on one process, or under ``accelerate launch --num_processes N -m hf_spec train-head ...`` (gloo on
 CPUs): the feature sets are built once by the main process and read from disk by the others.
@@ -31,18 +33,25 @@ from hf_spec.extras import require_extra
 def add_parser(commands) -> None:
     parser = commands.add_parser(
         "train-head", parents=[target_arguments(), decoding_arguments(64), text_arguments(), output_arguments()],
-        help="train a draft head that reads the target's hidden states (EAGLE-1 with the default --feature-layers "
-             "-1, EAGLE-3's fusion with e.g. --feature-layers 2 14 25) on the target's continuations of the "
-             "dataset's texts, or the texts themselves with --plain-text; saves with save_pretrained",
+        help="train a draft head that reads the target's hidden states (hf_spec's EAGLE-style head, or with "
+             "--architecture eagle3 an EAGLE-3 head in the speculators format, which vllm serve and SGLang load) on "
+             "the target's continuations of the dataset's texts, or the texts themselves with --plain-text",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output-dir", required=True, help="where the head, its features and its curve go")
-    parser.add_argument("--feature-layers", type=int, nargs="+", default=[-1],
+    parser.add_argument("--architecture", choices=("eagle", "eagle3"), default="eagle",
+                        help="eagle: hf_spec's DraftHead (EAGLE-1 on the last layer, or fused layers); eagle3: "
+                             "EAGLE-3 (speculators format, servable by vLLM and SGLang)")
+    parser.add_argument("--feature-layers", type=int, nargs="+", default=None,
                         help="hidden states the head reads (transformers' output_hidden_states indices; -1: the "
-                             "last, after the final norm)")
+                             "last, after the final norm) (default: -1 for eagle, 2 L/2 L-3 for eagle3)")
+    parser.add_argument("--ttt-steps", type=positive_int, default=None,
+                        help="block positions trained, the head reading its own predictions after the first "
+                             "(EAGLE-3's training-time test) (default: 1 for eagle, 3 for eagle3)")
     parser.add_argument("--num-layers", type=positive_int, default=1, help="decoder layers in the head")
     parser.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
-                        help="keep only the N most frequent output ids in the head's LM head (FR-Spec)")
+                        help="keep only the N most frequent output ids in the head's LM head (FR-Spec; eagle3: "
+                             "the draft vocabulary, d2t/t2d)")
     parser.add_argument("--draft-vocab-corpus", default="stdlib", help="texts ranking the ids for --draft-vocab")
     parser.add_argument("--plain-text", action="store_true", help="train on the texts, not on continuations")
     parser.add_argument("--max-length", type=positive_int, default=256, help="tokens per plain-text sequence")
@@ -61,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     from hf_spec.evaluation.head_pipeline import train_and_evaluate_head
-    from hf_spec.heads.model import check_feature_layers
+    from hf_spec.heads.base import check_feature_layers
     from hf_spec.loading.pair import load_model
     from hf_spec.loading.vocabulary import draft_vocabulary
 
@@ -72,16 +81,25 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_model(args.target, dtype=args.dtype, quantize=args.quantize, seed=args.seed)
-    try:  # before any feature is built
-        check_feature_layers(args.feature_layers, target.config.get_text_config().num_hidden_layers)
-    except ValueError as error:
-        raise ValueError(f"--feature-layers {' '.join(map(str, args.feature_layers))}: {error}") from None
+    if args.feature_layers is not None:
+        try:  # before any feature is built
+            check_feature_layers(args.feature_layers, target.config.get_text_config().num_hidden_layers)
+        except ValueError as error:
+            raise ValueError(f"--feature-layers {' '.join(map(str, args.feature_layers))}: {error}") from None
+    elif args.architecture == "eagle3":
+        from hf_spec.heads.speculators import default_aux_layers
+
+        try:
+            default_aux_layers(target.config.get_text_config().num_hidden_layers)
+        except ValueError as error:
+            raise ValueError(f"--architecture eagle3: {error} (--feature-layers)") from None
     kept_ids = None
     if args.draft_vocab is not None:
         kept_ids = draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus)
     run_ = train_and_evaluate_head(
         target, training_sequences(args, target, tokenizer, Path(args.output_dir)), args.output_dir,
-        feature_layers=args.feature_layers, num_layers=args.num_layers, kept_ids=kept_ids,
+        architecture=args.architecture, feature_layers=args.feature_layers, num_layers=args.num_layers,
+        kept_ids=kept_ids, ttt_steps=args.ttt_steps,
         eval_fraction=args.eval_fraction, progress=not args.no_progress, patience=args.patience,
         max_steps=args.max_steps, eval_steps=args.eval_steps, learning_rate=args.learning_rate,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size, seed=args.seed,

@@ -3,8 +3,10 @@ calls.
 
 `train_and_evaluate_head`: split the sequences into training and held-out ones, build both feature sets
 (`hf_spec.evaluation.head_training.feature_dataset`, cached under the output folder), make the head
-(`DraftHead.from_target`, optionally pruned), measure its held-out agreement before training, train it with
-``Trainer`` (early stopping on the held-out loss), measure it again, and save the head, its learning curve (JSON and
+(``architecture="eagle"``: `DraftHead.from_target`, optionally pruned; ``"eagle3"``: `Eagle3Head.from_target`, its
+draft vocabulary ``kept_ids``), measure its held-out agreement before training, train it with ``Trainer`` (early
+stopping on the held-out loss; ``ttt_steps`` block positions of EAGLE-3's training-time test), measure it again, and
+save the head (an EAGLE-3 head in the speculators format, which vLLM and SGLang serve), its learning curve (JSON and
 PNG) and nothing else in the output folder (the Trainer's checkpoints are removed). Under ``accelerate launch`` the
 main process builds the features first and the others read them from disk.
 """
@@ -20,14 +22,19 @@ from transformers import PreTrainedModel
 
 from hf_spec.evaluation.head_training import evaluate_head, feature_dataset, train_head
 from hf_spec.extras import require, require_extra
+from hf_spec.heads.base import DraftHeadBase
+from hf_spec.heads.eagle3 import Eagle3Head
 from hf_spec.heads.model import DraftHead
+
+#: What ``architecture`` may be.
+ARCHITECTURES = ("eagle", "eagle3")
 
 
 @dataclasses.dataclass
 class HeadRun:
     """What `train_and_evaluate_head` made and measured."""
 
-    head: DraftHead
+    head: DraftHeadBase
     before: dict  # held-out figures of the untrained head (`evaluate_head`)
     after: dict  # the same after training
     curve: list[dict]  # per evaluation: step, eval_loss, eval_agreement (block position 0)
@@ -42,15 +49,23 @@ class HeadRun:
 
 
 def train_and_evaluate_head(target: PreTrainedModel, sequences: list[list[int]], output_dir: str | Path, *,
-                            feature_layers: list[int] | tuple[int, ...] = (-1,), num_layers: int = 1,
-                            kept_ids: list[int] | None = None, eval_fraction: float = 0.1, progress: bool = True,
-                            **training_arguments) -> HeadRun:
+                            architecture: str = "eagle", feature_layers: list[int] | tuple[int, ...] | None = None,
+                            num_layers: int = 1, kept_ids: list[int] | None = None, ttt_steps: int | None = None,
+                            eval_fraction: float = 0.1, progress: bool = True, **training_arguments) -> HeadRun:
     """Train a head for ``target`` on ``sequences`` (token ids: text chunks or prompts with the target's own
     continuations) and save it in ``output_dir``; ``training_arguments`` go to `train_head` (``max_steps``,
-    ``learning_rate``, ``eval_steps``, ``patience``, ...).
+    ``learning_rate``, ``eval_steps``, ``patience``, ``ttt_decay``, ...).
+
+    Args:
+        architecture: ``"eagle"`` (`DraftHead`) or ``"eagle3"`` (`Eagle3Head`).
+        feature_layers: the target hidden states read; default [-1] (EAGLE-1) or [2, L // 2, L - 3] (EAGLE-3).
+        kept_ids: the output ids the head may propose (FR-Spec pruning; an EAGLE-3 head's draft vocabulary).
+        ttt_steps: block positions trained (EAGLE-3's training-time test); default 1 for ``"eagle"``, 3 for
+            ``"eagle3"``.
 
     Raises:
-        ValueError: ``eval_fraction`` outside (0, 1), too few sequences to hold some out, bad ``feature_layers``.
+        ValueError: ``eval_fraction`` outside (0, 1), too few sequences to hold some out, bad ``feature_layers`` or
+            ``architecture``.
     """
     require_extra("train", "Training a draft head")
     from accelerate import PartialState
@@ -61,9 +76,16 @@ def train_and_evaluate_head(target: PreTrainedModel, sequences: list[list[int]],
     if len(sequences) - held < 1:
         raise ValueError(f"{len(sequences)} sequences cannot be split into a training and a held-out set; use more "
                          "texts.")
-    head = DraftHead.from_target(target, tuple(feature_layers), num_layers).float()  # checks the layers first
-    if kept_ids is not None:
-        head.prune(kept_ids)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"`architecture` must be one of {ARCHITECTURES}, but is {architecture!r}.")
+    if architecture == "eagle3":  # checks the layers first
+        head = Eagle3Head.from_target(target, feature_layers, kept_ids, num_layers).float()
+    else:
+        head = DraftHead.from_target(target, tuple(feature_layers or (-1,)), num_layers).float()
+        if kept_ids is not None:
+            head.prune(kept_ids)
+    feature_layers = list(head.config.feature_layers)
+    ttt_steps = ttt_steps or (3 if architecture == "eagle3" else 1)
     output_dir = Path(output_dir)
     with PartialState().main_process_first():  # the others then read the features from disk
         train = feature_dataset(target, sequences[held:], list(feature_layers), output_dir / "features-train",
@@ -71,28 +93,37 @@ def train_and_evaluate_head(target: PreTrainedModel, sequences: list[list[int]],
         held_out = feature_dataset(target, sequences[:held], list(feature_layers), output_dir / "features-held-out",
                                    progress=progress)
     before = evaluate_head(head, held_out)
-    head, history = train_head(target, train, held_out, output_dir, head=head, **training_arguments)
+    head, history = train_head(target, train, held_out, output_dir, head=head, ttt_steps=ttt_steps,
+                               **training_arguments)
     after = evaluate_head(head, held_out)
-    curve = [{"step": entry["step"], "eval_loss": entry["eval_loss"], "eval_agreement": entry["eval_agreement"]}
+    curve = [{key: value for key, value in entry.items() if key == "step" or key.startswith(("eval_loss",
+                                                                                          "eval_agreement"))}
              for entry in history if "eval_agreement" in entry]
     if PartialState().is_main_process:
         for checkpoint in output_dir.glob("checkpoint-*"):  # the Trainer's optimizer, RNG and pickled arguments
             shutil.rmtree(checkpoint)
         (output_dir / "learning_curve.json").write_text(json.dumps(curve, indent=2))
-        plot_curve(curve, before["agreement"], output_dir / "learning_curve.png")
+        plot_curve(curve, before["agreement_by_position"], output_dir / "learning_curve.png")
     return HeadRun(head, before, after, curve, history, len(train), len(held_out))
 
 
-def plot_curve(curve: list[dict], start: float, path: Path) -> None:
-    """Held-out agreement at block position 0 against training steps (step 0: the untrained head)."""
+def plot_curve(curve: list[dict], start: float | list[float], path: Path) -> None:
+    """Held-out agreement against training steps (step 0: the untrained head, ``start``), one line per block position
+    the curve has (``eval_agreement``, ``eval_agreement_1``, ...)."""
     require("matplotlib", "train", "The head's learning-curve plot")
     from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) stays as it is
 
+    starts = [start] if isinstance(start, float | int) else list(start)
     figure = Figure(figsize=(6, 3.5))
     axes = figure.subplots()
-    axes.plot([0] + [point["step"] for point in curve], [start] + [point["eval_agreement"] for point in curve],
-              marker="o")
-    axes.set(xlabel="training step", ylabel="held-out top-1 agreement", title="draft head, block position 0",
-             ylim=(0, 1))
+    steps = [0] + [point["step"] for point in curve]
+    for position in range(len(starts)):
+        key = "eval_agreement" + (f"_{position}" if position else "")
+        if curve and key not in curve[0]:
+            break
+        axes.plot(steps, [starts[position]] + [point[key] for point in curve], marker="o",
+                  label=f"block position {position}")
+    axes.set(xlabel="training step", ylabel="held-out top-1 agreement", title="draft head", ylim=(0, 1))
+    axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

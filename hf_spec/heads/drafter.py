@@ -29,25 +29,26 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
+from hf_spec.caches import cache_length, crop_to, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
 from hf_spec.drafting.costs import synchronize
-from hf_spec.forward import extend_mask, tree_attention_mask
+from hf_spec.forward import extend_mask
 from hf_spec.rows import RaggedBatch
 
 
 class HeadDrafter(Drafter):
-    """Drafts with a `DraftHead` from the target's hidden states (``generate(assistant_model=head)`` builds it)."""
+    """Drafts with a draft head (`hf_spec.heads.base.DraftHeadBase`) from the target's hidden states
+    (``generate(assistant_model=head)`` builds it)."""
 
     def __init__(self, head):
-        self.head = head  # a `hf_spec.heads.model.DraftHead`
+        self.head = head  # a `hf_spec.heads.base.DraftHeadBase`
         self.feature_layers = list(head.config.feature_layers)
         self.reset()
 
     def check(self, target: PreTrainedModel, max_length: int) -> None:
-        """The head must be on the target's device and built for it; it then reads the target's embeddings and LM
-        head (`hf_spec.heads.model.DraftHead.attach`), once per target."""
+        """The head must be on the target's device and built for it; it then reads what it takes from the target
+        (`hf_spec.heads.base.DraftHeadBase.attach`), once per target."""
         if self.head.device != target.device:
             raise ValueError(f"`assistant_model` (a draft head) is on {self.head.device} but the model is on "
                              f"{target.device}; move it with `head.to({str(target.device)!r})`.")
@@ -63,7 +64,7 @@ class HeadDrafter(Drafter):
         """Median seconds of a head step (tokens fed with the head's own predicted features) on top of a cached
         ``prefix_ids`` ``[1, S]`` read with (zero) target features."""
         head, prefix_ids = self.head, prefix_ids.to(self.head.device)
-        cache = new_cache(head.decoder)
+        cache = head.new_cache()
         width = head.config.target_hidden_size * len(head.config.feature_layers)
         features = torch.zeros((*prefix_ids.shape, width), dtype=head.dtype, device=prefix_ids.device)
         predicted = head(prefix_ids, features=features, cache=cache, logits_to_keep=1).hidden_states[:, -1:]
@@ -80,7 +81,7 @@ class HeadDrafter(Drafter):
         return {size: float(np.median(values)) for size, values in seconds.items()}
 
     def reset(self) -> None:
-        self.cache = new_cache(self.head.decoder)
+        self.cache = self.head.new_cache()
         self.features: torch.Tensor | None = None  # [active, unread, F]
         self.features_start = 0  # the column of features[:, 0]
         self.first_entry = 0  # the column of the head cache's first entry
@@ -161,7 +162,7 @@ class HeadDrafter(Drafter):
 
 
 class HeadTreeDrafter(HeadDrafter, BranchingTreeDrafter):
-    """A `DraftHead` that branches (``generate(assistant_model=head, num_tree_nodes=N)`` builds it).
+    """A draft head that branches (``generate(assistant_model=head, num_tree_nodes=N)`` builds it).
 
     Args:
         head: the draft head.
@@ -198,7 +199,7 @@ class HeadTreeDrafter(HeadDrafter, BranchingTreeDrafter):
             torch.stack([tokens[i] for i in level])[None],
             predicted=torch.stack([self._hidden[parents[i]] for i in level])[None],  # [1, m, hidden]
             position_ids=torch.full((1, len(level)), self._root_position + depth - 1, device=device),
-            attention_mask=tree_attention_mask(self.head.decoder, visible), cache=self.cache,
+            attention_mask=self.head.custom_mask(visible), cache=self.cache,
         )
         self._fed += level
         self._hidden.update(zip(level, output.hidden_states[0]))

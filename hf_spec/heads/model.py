@@ -15,16 +15,14 @@ is the identity). A drafted token has no target feature yet, so the next step re
 Where it departs from EAGLE: the decoder is transformers' own class for the target's architecture built from the
 target's config (so attention, rotary positions and the KV cache are transformers'), initialised from the target's
 last layers, with its own final norm (EAGLE-1 feeds the un-normed state to the LM head); the embeddings and LM head
-are frozen copies of the target's, saved with the head (simple to load, at the cost of the embedding's size on disk),
-and the LM head can be pruned to frequent ids (`hf_spec.drafting.vocabulary`, FR-Spec). Training
-(`hf_spec.evaluation.head_training`) matches the target's law at the next position, plus the feature for EAGLE-1 heads.
+are the target's, read at `attach` and never saved (`hf_spec.heads.shared`), and the LM head can be pruned to
+frequent ids (`hf_spec.drafting.vocabulary`, FR-Spec). Training (`hf_spec.evaluation.head_training`) matches the
+target's law at the next position, plus the feature for EAGLE-1 heads. EAGLE-3's own architecture, in the format vLLM
+and SGLang serve, is `hf_spec.heads.eagle3.Eagle3Head`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import weakref
 from pathlib import Path
 
 import torch
@@ -32,7 +30,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from hf_spec.drafting.vocabulary import PrunedOutputLayer, check_kept_ids
-from hf_spec.heads.drafter import HeadDrafter, HeadTreeDrafter
+from hf_spec.heads.base import DraftHeadBase, DraftHeadOutput, check_feature_layers
 from hf_spec.heads.shared import FrozenEmbedding, FrozenLinear, target_layers
 
 
@@ -77,13 +75,7 @@ class DraftHeadConfig(PretrainedConfig):
         return AutoConfig.for_model(decoder.pop("model_type"), **decoder)
 
 
-@dataclasses.dataclass
-class DraftHeadOutput:
-    logits: torch.Tensor  # [batch, kept positions, vocab]
-    hidden_states: torch.Tensor  # [batch, positions, hidden] h: the predicted next features
-
-
-class DraftHead(PreTrainedModel):
+class DraftHead(DraftHeadBase):
     """A draft head for one target: ``fc`` over [embedding; features], then a small decoder of the target's kind.
 
     Build one with `DraftHead.from_target`, train it with `hf_spec.evaluation.head_training.train_head`, and pass it as
@@ -92,8 +84,6 @@ class DraftHead(PreTrainedModel):
     """
 
     config_class = DraftHeadConfig
-    base_model_prefix = "head"
-    _supports_sdpa = True
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
@@ -107,7 +97,6 @@ class DraftHead(PreTrainedModel):
         self.fuse = nn.Linear(hidden * num_features, hidden, bias=False) if num_features > 1 else nn.Identity()
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.post_init()
-        self._target: weakref.ref | None = None  # the model `attach` read the embeddings and LM head from
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> DraftHead:
@@ -118,19 +107,19 @@ class DraftHead(PreTrainedModel):
                                     "(DraftHead.save_pretrained writes one).")
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
-    def attach(self, target: PreTrainedModel) -> DraftHead:
-        """Read the embeddings and the LM head from ``target`` (checked to be the target this head was built for),
-        in the head's dtype and device: the target's own tensors when those match, never a saved copy. The LM head
-        keeps only ``config.kept_ids`` when set (FR-Spec). Returns the head."""
-        self.check_target(target)
+    def _attach_layers(self, target: PreTrainedModel) -> None:
+        """The embeddings and the LM head are ``target``'s, in the head's dtype and device: the target's own tensors
+        when those match, never a saved copy. The LM head keeps only ``config.kept_ids`` when set (FR-Spec)."""
         embedding, output = target_layers(target, self.fc.weight.dtype, self.fc.weight.device, self.config.kept_ids)
         self.decoder.set_input_embeddings(embedding)
         self.decoder.set_output_embeddings(output)
-        self._target = weakref.ref(target)
-        return self
 
-    def is_attached_to(self, target: PreTrainedModel) -> bool:
-        return self._target is not None and self._target() is target
+    def layer_model(self) -> nn.Module:
+        return self.decoder
+
+    def target_output_layer(self) -> nn.Module:
+        output = self.get_output_embeddings()
+        return output.full if isinstance(output, PrunedOutputLayer) else output
 
     def prune(self, kept_ids: list[int]) -> DraftHead:
         """Keep only ``kept_ids`` in the LM head (FR-Spec, `hf_spec.drafting.vocabulary`), recorded in the config so
@@ -201,7 +190,7 @@ class DraftHead(PreTrainedModel):
         if (features is None) == (predicted is None):
             raise ValueError("Pass exactly one of `features` (the target's) and `predicted` (the head's own).")
         embeddings = self.get_input_embeddings()(input_ids)  # [batch, m, hidden]
-        fused = self.fuse(features.to(embeddings.dtype)) if predicted is None else predicted  # [batch, m, hidden]
+        fused = self.read_features(features) if predicted is None else predicted  # [batch, m, hidden]
         inputs = self.fc(torch.cat([embeddings, fused.to(embeddings.dtype)], dim=-1))  # [batch, m, hidden]
         states = self.decoder.get_decoder()(
             inputs_embeds=inputs, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
@@ -210,10 +199,8 @@ class DraftHead(PreTrainedModel):
         kept = states[:, -logits_to_keep:] if logits_to_keep else states
         return DraftHeadOutput(logits=self.get_output_embeddings()(kept), hidden_states=states)
 
-    def hf_spec_drafter(self, *, tree: bool):
-        """What ``generate(assistant_model=head)`` drafts with (`hf_spec.drafting.base.DraftSource`): a
-        `HeadDrafter`, or a `HeadTreeDrafter` with ``num_tree_nodes``."""
-        return HeadTreeDrafter(self) if tree else HeadDrafter(self)
+    def read_features(self, features: torch.Tensor) -> torch.Tensor:  # [batch, m, F] -> [batch, m, hidden]
+        return self.fuse(features.to(self.fc.weight.dtype))
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Refuse a target other than the one this head was built for (its layer count, width or vocabulary)."""
@@ -227,19 +214,3 @@ class DraftHead(PreTrainedModel):
                 f"(layers, hidden size, vocabulary = {built}), but the model has {given}; train a head for this "
                 "target (`hf-spec train-head`).")
         check_feature_layers(config.feature_layers, text.num_hidden_layers)
-
-
-def check_feature_layers(feature_layers, num_layers: int) -> None:
-    """``feature_layers`` must name distinct hidden states among the target's ``num_layers + 1``."""
-    layers = list(feature_layers) if isinstance(feature_layers, (list, tuple)) else None
-    if (not layers or any(not isinstance(i, int) or not -(num_layers + 1) <= i <= num_layers for i in layers)
-            or len({i % (num_layers + 1) for i in layers}) != len(layers)):
-        raise ValueError(f"`feature_layers` must be a non-empty list of distinct hidden-state indices in "
-                         f"[{-(num_layers + 1)}, {num_layers}] (the target has {num_layers} layers), but is "
-                         f"{feature_layers!r}.")
-
-
-def is_draft_head_folder(name: str) -> bool:
-    """Whether ``name`` is a folder holding a saved `DraftHead` (its config's model type)."""
-    config = Path(name) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == DraftHeadConfig.model_type

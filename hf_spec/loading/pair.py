@@ -24,7 +24,8 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_spec.drafting.vocabulary import prune_vocabulary, pruned_size
-from hf_spec.heads.model import DraftHead, is_draft_head_folder
+from hf_spec.heads.base import DraftHeadBase
+from hf_spec.heads.saved import head_kind, load_head
 from hf_spec.loading import packed
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, cache_dir, is_converted, load
@@ -89,8 +90,9 @@ class Pair:
         return folders[0], folders[1]
 
     def describe(self) -> str:
-        vocabulary = pruned_size(self.draft)
         full = self.draft.config.get_text_config().vocab_size
+        vocabulary = pruned_size(self.draft) or getattr(self.draft.config, "draft_vocab_size", None)  # EAGLE-3's
+        vocabulary = vocabulary if vocabulary != full else None
         kept = f", output layer {vocabulary} of {full} ids" if vocabulary else ""
         lines = [(f"target: {self.target.name_or_path or TINY} ({str(self.target.dtype).removeprefix('torch.')}), "
                   f"draft: {self.draft.name_or_path or TINY} ({str(self.draft.dtype).removeprefix('torch.')}"
@@ -105,7 +107,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
               optimize: bool = True, draft_vocab: int | None = None, draft_vocab_corpus: str | list[str] = "stdlib",
               seed: int = 0) -> Pair:
     """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"``; ``draft`` may also be a
-    folder with a `DraftHead` trained for ``target``), and prepare them as `prepare_pair` does.
+    folder with a draft head trained for ``target``: a `DraftHead`, or an EAGLE-3 head in the speculators format),
+    and prepare them as `prepare_pair` does.
 
     Args:
         dtype: weights of both models (the compute dtype of 4-bit layers), one of `DTYPES`. The tiny pair is always
@@ -126,13 +129,12 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     dtype = resolve_dtype(dtype)
     target, draft = model_name(target), model_name(draft)
     target_model, tokenizer = load_model(target, dtype=dtype, quantize=quantize, seed=seed)
-    if is_draft_head_folder(draft):
+    if head_kind(draft) is not None:
         if draft_vocab is not None:
             raise ValueError(f"`draft_vocab` {draft_vocab}: a draft head keeps the output ids it was trained with "
                              f"(`hf-spec train-head --draft-vocab`).")
-        draft_model = DraftHead.from_pretrained(draft).to(dtype=target_model.dtype, device=first_device(target_model))
         try:
-            draft_model.attach(target_model)
+            draft_model = load_head(draft, target_model)
         except ValueError as error:
             raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
     else:
@@ -157,7 +159,7 @@ def prepare_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None
     pair = Pair(speculative(target), draft, tokenizer)
     if optimize:
         pair.target_path = packed.optimize(pair.target, role="target")
-        pair.draft_path = packed.optimize(pair.draft, path="dense" if isinstance(draft, DraftHead) else "auto",
+        pair.draft_path = packed.optimize(pair.draft, path="dense" if isinstance(draft, DraftHeadBase) else "auto",
                                           role="steps")
     return pair
 

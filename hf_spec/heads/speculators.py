@@ -1,0 +1,240 @@
+"""The speculators format of an EAGLE-3 head (vllm-project/speculators, ``models/eagle3``), the one vLLM and SGLang
+serve: the config's fields (`Eagle3HeadConfig`), reading and writing the files.
+
+- ``config.json``: ``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``,
+  ``speculators_version``, ``transformer_layer_config`` (a Llama or Qwen3 config, ``num_hidden_layers`` = the head's
+  layers, ``vocab_size`` = the target's), ``draft_vocab_size``, ``norm_before_residual``, ``target_hidden_size``,
+  ``eagle_aux_hidden_state_layer_ids``, and ``speculators_config`` (``algorithm``, ``proposal_methods``,
+  ``default_proposal_method``, ``verifier``: ``name_or_path``, ``architectures``);
+- ``model.safetensors``: ``fc.weight`` ``[H, n * H_target]``, ``layers.0.*`` (q/k/v take 2H inputs;
+  ``layers.0.hidden_norm``), ``norm.weight``, ``lm_head.weight`` ``[draft vocab, H]``, ``d2t`` (int64) and ``t2d``
+  (bool over the target's vocabulary). No embeddings: the head reads the target's (`attach`), as vLLM does.
+
+`read_checkpoint` also reads EAGLE-3's reference checkpoints (SafeAILab/EAGLE: a Llama config with
+``draft_vocab_size``, weights under ``midlayer.*``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+#: The speculators release whose config schema `save_pretrained` writes.
+SPECULATORS_VERSION = "0.3.0"
+#: Layer configs the head's decoder may have (speculators' ``model_definitions``).
+LAYER_TYPES = ("llama", "qwen3")
+#: Reference (SafeAILab) weight names: the single decoder layer is ``midlayer``.
+REFERENCE_PREFIX = "midlayer."
+
+
+class Eagle3HeadConfig(PretrainedConfig):
+    """The speculators ``Eagle3SpeculatorConfig`` fields (see the module docstring), and the default k.
+
+    Args:
+        transformer_layer_config: the decoder layers' config as a dict (``model_type`` llama or qwen3).
+        draft_vocab_size: ids the LM head proposes (``d2t`` maps them to the target's).
+        eagle_aux_hidden_state_layer_ids: target hidden states read, as transformers' ``output_hidden_states``
+            indices; ``None``: [2, L // 2, L - 3] of the target it is attached to.
+        verifier_name_or_path, verifier_architectures: the target it was trained for.
+        speculative_tokens: k of the greedy proposal method written to the config.
+    """
+
+    model_type = "hf_spec_eagle3"
+
+    def __init__(self, transformer_layer_config: dict | None = None, draft_vocab_size: int = 0,
+                 norm_before_residual: bool = False, norm_before_fc: bool = False, fc_norm: bool = False,
+                 norm_output: bool = False, target_hidden_size: int | None = None,
+                 eagle_aux_hidden_state_layer_ids: list[int] | None = None, verifier_name_or_path: str | None = None,
+                 verifier_architectures: list[str] | None = None, speculative_tokens: int = 3, **kwargs):
+        self.transformer_layer_config = dict(transformer_layer_config or {})
+        self.draft_vocab_size = draft_vocab_size
+        self.vocab_size = self.transformer_layer_config.get("vocab_size")  # the target's: the ids its logits span
+        self.norm_before_residual, self.norm_before_fc = norm_before_residual, norm_before_fc
+        self.fc_norm, self.norm_output = fc_norm, norm_output
+        self.target_hidden_size = target_hidden_size or self.transformer_layer_config.get("hidden_size")
+        self.eagle_aux_hidden_state_layer_ids = (None if eagle_aux_hidden_state_layer_ids is None
+                                                 else list(eagle_aux_hidden_state_layer_ids))
+        self.verifier_name_or_path, self.verifier_architectures = verifier_name_or_path, verifier_architectures
+        self.speculative_tokens = speculative_tokens
+        super().__init__(**kwargs)
+
+    def get_text_config(self, *args, **kwargs) -> Eagle3HeadConfig:
+        return self
+
+    @property
+    def feature_layers(self) -> list[int]:
+        if self.eagle_aux_hidden_state_layer_ids is None:
+            raise ValueError("This EAGLE-3 head does not say which target layers it reads "
+                             "(`eagle_aux_hidden_state_layer_ids`); attach it to its target first (`head.attach`), "
+                             "which uses EAGLE-3's default [2, L // 2, L - 3].")
+        return list(self.eagle_aux_hidden_state_layer_ids)
+
+    def layer_config(self) -> PretrainedConfig:
+        layers = dict(self.transformer_layer_config)
+        model_type = layers.pop("model_type", None)
+        if model_type not in LAYER_TYPES:
+            raise ValueError(f"An EAGLE-3 head's `transformer_layer_config` must be a {' or '.join(LAYER_TYPES)} "
+                             f"config, but its model_type is {model_type!r}.")
+        return AutoConfig.for_model(model_type, **layers)
+
+    def to_speculators(self) -> dict:
+        """The ``config.json`` speculators writes (and vLLM reads)."""
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": self.transformer_layer_config,
+            "draft_vocab_size": self.draft_vocab_size,
+            "norm_before_residual": self.norm_before_residual,
+            "norm_before_fc": self.norm_before_fc,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+            "embed_requires_grad": False,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": self.verifier_name_or_path,
+                             "architectures": self.verifier_architectures or []},
+            },
+            "dtype": str(self.transformer_layer_config.get("dtype") or "bfloat16").removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_speculators(cls, config: dict, source: str) -> Eagle3HeadConfig:
+        """A speculators ``config.json``, or a reference EAGLE-3 one (a Llama config with ``draft_vocab_size``)."""
+        if config.get("speculators_model_type") == "eagle3":
+            verifier = config.get("speculators_config", {}).get("verifier", {})
+            methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
+            if config.get("norm_before_fc") and config.get("fc_norm"):
+                raise ValueError(f"{source}: `norm_before_fc` and `fc_norm` exclude each other, but both are set.")
+            return cls(config["transformer_layer_config"], config["draft_vocab_size"],
+                       config.get("norm_before_residual", False), config.get("norm_before_fc", False),
+                       config.get("fc_norm", False), config.get("norm_output", False),
+                       config.get("target_hidden_size"), config.get("eagle_aux_hidden_state_layer_ids"),
+                       verifier.get("name_or_path"), verifier.get("architectures"),
+                       methods[0].get("speculative_tokens", 3))
+        if "draft_vocab_size" in config and any("eagle3" in name.lower() for name in config.get("architectures", [])):
+            layers = {key: value for key, value in config.items()
+                      if key not in ("architectures", "draft_vocab_size", "target_hidden_size")}
+            layers["model_type"] = "llama"
+            layers["num_hidden_layers"] = 1
+            return cls(layers, config["draft_vocab_size"], target_hidden_size=config.get("target_hidden_size"))
+        raise ValueError(f"{source} is not an EAGLE-3 head: its config.json has neither "
+                         "`speculators_model_type: \"eagle3\"` (the speculators format) nor an Eagle3 architecture "
+                         "with `draft_vocab_size` (EAGLE-3's reference checkpoints).")
+
+
+def read_checkpoint(folder: Path) -> tuple[Eagle3HeadConfig, dict[str, torch.Tensor]]:
+    """The config and the weights of ``folder`` (speculators names; a reference checkpoint's ``midlayer.*``
+    renamed)."""
+    from safetensors.torch import load_file
+
+    config = Eagle3HeadConfig.from_speculators(json.loads((folder / "config.json").read_text()), str(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors weights.")
+    state = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return config, {(("layers.0." + name[len(REFERENCE_PREFIX):]) if name.startswith(REFERENCE_PREFIX) else name):
+                    value for name, value in state.items()}
+
+
+def write_checkpoint(folder: Path, config: Eagle3HeadConfig, state: dict[str, torch.Tensor],
+                     dtype: torch.dtype) -> None:
+    """``config.json`` (`Eagle3HeadConfig.to_speculators`) and ``model.safetensors`` in ``folder``."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    values = config.to_speculators()
+    name = str(dtype).removeprefix("torch.")
+    values["transformer_layer_config"] = {**values["transformer_layer_config"], "dtype": name}
+    values["dtype"] = name
+    save_file({key: value.detach().contiguous().cpu() for key, value in state.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+
+
+def check_draft_vocabulary(d2t: torch.Tensor, t2d: torch.Tensor, source: str) -> None:
+    """``d2t`` must map the draft ids to distinct target ids, and ``t2d`` mark exactly those."""
+    target_ids = d2t + torch.arange(len(d2t), device=d2t.device)
+    vocab = len(t2d)
+    if (len(target_ids) and (int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab)) or \
+            target_ids.unique().numel() != len(target_ids):
+        raise ValueError(f"{source}: `d2t` maps the {len(d2t)} draft ids outside the target's {vocab} ids, or two of "
+                         "them to one id; the checkpoint is damaged.")
+    if int(t2d.sum()) != len(d2t) or not bool(t2d[target_ids].all()):
+        raise ValueError(f"{source}: `t2d` marks {int(t2d.sum())} target ids, not the {len(d2t)} that `d2t` maps "
+                         "the draft ids to; the checkpoint is damaged.")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers for a target of ``num_layers``: [2, L // 2, L - 3]."""
+    layers = [2, num_layers // 2, num_layers - 3]
+    if len(set(layers)) != 3 or min(layers) < 0:
+        raise ValueError(f"EAGLE-3's default layers [2, L // 2, L - 3] are {layers} for a target of {num_layers} "
+                         "layers, not three distinct ones; pass the layers to read (`aux_layers`).")
+    return layers
+
+
+def layer_config_for(target: PreTrainedModel, num_layers: int) -> dict:
+    """The ``transformer_layer_config`` of a new head for ``target``: its width, heads, MLP, norm and rotary
+    positions, ``num_layers`` layers, a Llama layer (a Qwen3 one for a Qwen3 target), q/k/v biases where the target's
+    attention has them."""
+    text = target.config.get_text_config()
+    if not (isinstance(num_layers, int) and num_layers >= 1):
+        raise ValueError(f"`num_layers` must be a positive integer, but is {num_layers!r}.")
+    model_type = "qwen3" if text.model_type == "qwen3" else "llama"
+    has_bias = getattr(target.get_decoder().layers[0].self_attn.q_proj, "bias", None) is not None
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layers = AutoConfig.for_model(
+        model_type, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+        num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+        head_dim=head_dim, hidden_act=text.hidden_act, rms_norm_eps=text.rms_norm_eps,
+        max_position_embeddings=text.max_position_embeddings, vocab_size=text.vocab_size,
+        num_hidden_layers=num_layers, attention_bias=has_bias, tie_word_embeddings=False,
+        rope_parameters=getattr(text, "rope_parameters", None),
+    ).to_dict()
+    for key in ("architectures", "transformers_version", "layer_types", "dtype", "torch_dtype", "use_cache",
+                "_name_or_path"):
+        layers.pop(key, None)
+    layers["model_type"] = model_type
+    return layers
+
+
+def layers_without_vocabulary(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of the layers' config with a 1-id vocabulary, so that building them allocates no embeddings."""
+    copy = type(config).from_dict(config.to_dict())
+    copy.vocab_size, copy.pad_token_id = 1, None
+    copy._attn_implementation = config._attn_implementation
+    return copy
+
+
+def local_folder(name: str, **kwargs) -> Path:
+    """A local folder, or the Hub snapshot of a repository (``huggingface_hub``: offline-cached, or downloaded)."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} holds no config.json, so it is not a saved EAGLE-3 head.")
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"],
+                                  **{key: kwargs[key] for key in ("revision", "token", "cache_dir") if key in kwargs}))
+
+
+def is_eagle3_folder(name: str) -> bool:
+    """Whether ``name`` is a local folder holding an EAGLE-3 head (speculators format or reference)."""
+    config = Path(name) / "config.json"
+    if not config.is_file():
+        return False
+    values = json.loads(config.read_text())
+    return values.get("speculators_model_type") == "eagle3" or (
+        "draft_vocab_size" in values and any("eagle3" in a.lower() for a in values.get("architectures", [])))
