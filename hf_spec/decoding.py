@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_spec.caches import crop_to, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter
 from hf_spec.forward import has_invalid_values
+from hf_spec.profiling import RoundClock, profiled_call
 from hf_spec.recording import OutputRecorder, RoundTimer
 from hf_spec.rounds import Rounds
 from hf_spec.rows import RaggedBatch
@@ -77,17 +78,18 @@ def speculative_decode(
     context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
                            generation_config.do_sample, generator, rounds.stop_below)
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
-    with _exclusive(rounds.drafter):  # a drafter instance serves one call at a time
+    with _exclusive(rounds.drafter), profiled_call(target, input_ids.device) as profile:  # one call per drafter
         rounds.start(batch, target_cache)
         try:
             while batch.num_active > 0:
-                timer = RoundTimer(synchronize=rounds.is_timed)
+                timer, clock = RoundTimer(synchronize=rounds.is_timed), RoundClock(profile)  # clock: when profiled
                 # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
                 tokens_left = max(0, generation_config.max_length - min(batch.active_lengths()) - 1)
 
                 # 1. Draft: a chain or a tree, each token drawn from the drafter's law q given its own prefix.
                 draft = rounds.draft(batch, tokens_left, context)
                 timer.mark_drafted(batch.model_ids.device)
+                clock.mark("drafting, other")
 
                 # 2. Verify: one target pass gives p after every drafted token, each processed with its own prefix (and
                 #    the hidden states a draft head reads).
@@ -95,12 +97,15 @@ def speculative_decode(
 
                 # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token.
                 accepted = rounds.accept(draft, verified, context)
+                clock.mark("processors and acceptance")
                 num_accepted = read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores)
                 timer.mark_verified()
+                clock.mark("host sync")
 
                 # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
                 num_kept, is_done = batch.count_until_stop(stopping_criteria, accepted.output_ids,
                                                            [n + 1 for n in num_accepted])
+                clock.mark("stopping")
                 recorder.record(batch.active_list, accepted.output_ids, accepted.scores, accepted.logits, num_kept)
                 num_drafted, depth = rounds.size(draft)
                 stats.record_round(num_drafted, num_accepted, num_kept, batch.active_list, batch.batch_size, depth)
@@ -113,11 +118,13 @@ def speculative_decode(
                 staying, num_cached = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
                 roll_back(target_cache, rounds.drafter, num_cached, staying)
                 stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
+                clock.mark("bookkeeping")
         finally:
             # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
             # tree's nodes sit after the committed positions, so the crop drops them too).
             roll_back(target_cache, rounds.drafter, batch.model_ids.shape[1] - 1, None)
 
+    stats.profile = None if profile is None else profile.seconds
     scores, logits = recorder.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
 

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from hf_spec.caches import cache_length
+from hf_spec.caches import cache_length, crop_to, static_length
 from hf_spec.compat import attention_implementation
+from hf_spec.compiled import active_forward, pad_inputs, padded_width, strip_padding
+from hf_spec.profiling import timed_forward
 
 
 def forward_missing(
@@ -43,13 +45,21 @@ def forward_missing(
 def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
          feature_layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass: ``(logits [batch, num_logits, vocab] float32, features [batch, fed, F] or None)``."""
-    if feature_layers is None:
-        output = model(**inputs, use_cache=True)
-        features = None
-    else:
-        output = model(**inputs, use_cache=True, output_hidden_states=list(feature_layers))
-        features = torch.cat([output.hidden_states[i] for i in feature_layers], dim=-1)  # [batch, fed, F]
-    return output.logits[:, -num_logits:].to(dtype=torch.float32, copy=True), features
+    num_fed = inputs["input_ids"].shape[1]
+    extra = {} if feature_layers is None else {"output_hidden_states": list(feature_layers)}
+    with timed_forward(model, num_fed):  # counted only in a profiled call
+        compiled, width = active_forward(model), padded_width(num_fed)  # a static cache's chain pass: compiled
+        mask = inputs.get("attention_mask")
+        if compiled is not None and width is not None and (mask is None or mask.dim() == 2):  # not a tree's pass
+            cached = cache_length(inputs["cache"])
+            output = compiled.function(**pad_inputs(inputs, width), use_cache=True, **extra)
+            crop_to(inputs["cache"], cached + num_fed)  # the padding's positions: written, then cut off
+            logits, hidden = strip_padding(output.logits, getattr(output, "hidden_states", None), num_fed)
+        else:
+            output = model(**inputs, use_cache=True, **extra)
+            logits, hidden = output.logits, getattr(output, "hidden_states", None)
+    features = None if feature_layers is None else torch.cat([hidden[i] for i in feature_layers], dim=-1)
+    return logits[:, -num_logits:].to(dtype=torch.float32, copy=True), features  # features: [batch, fed, F]
 
 
 def _missing_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -62,7 +72,11 @@ def _missing_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, a
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min_(0)[:, num_cached:]
     inputs = {"input_ids": sequence_ids[:, num_cached:], "position_ids": position_ids, "cache": cache}
-    if attention_mask is not None:
+    length = static_length(cache)
+    if length is not None:  # a static cache attends over all its positions: the mask has as many, 0 past the fed
+        mask = torch.ones_like(sequence_ids) if attention_mask is None else attention_mask
+        inputs["attention_mask"] = F.pad(mask, (0, length - mask.shape[1]))
+    elif attention_mask is not None:
         inputs["attention_mask"] = attention_mask
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
@@ -127,6 +141,8 @@ def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, atte
     visible[:num_missing, :length] = causal[length - num_missing:]
     visible[num_missing:, :length] = is_real
     visible[num_missing:, length:] = node_visible
+    if static_length(cache) is not None:  # a static cache's keys: all its positions
+        visible = F.pad(visible, (0, static_length(cache) - visible.shape[1]))
     positions = is_real.long().cumsum(0) - 1  # [length]
     position_ids = torch.cat([positions[length - num_missing:], positions[-1] + node_depths])  # [missing + m]
     inputs = {"input_ids": torch.cat([missing_ids, node_ids])[None], "position_ids": position_ids[None],

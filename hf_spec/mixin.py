@@ -34,10 +34,11 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_spec.caches import fit_prompt, prepare_for_rollback
+from hf_spec.caches import cache_length, fit_prompt, new_cache, prepare_for_rollback, static_length
 from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor
+from hf_spec.compiled import compiling
 from hf_spec.decoding import speculative_decode
-from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, start_sizer, user_settings
+from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, start_sizer, static_cache_length, user_settings
 from hf_spec.rounds import Rounds
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
@@ -161,12 +162,13 @@ class SpeculativeGenerationMixin(GenerationMixin):
         target_cache, pad_token_id = self._check_assisted_call(input_ids, generation_config, synced_gpus, streamer,
                                                                rounds, logits_processor, model_kwargs)
         start_sizer(self, rounds, generation_config.max_length - input_ids.shape[1])
-        result = speculative_decode(
-            self, rounds, input_ids, model_kwargs.get("attention_mask"), target_cache,
-            logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, pad_token_id=pad_token_id, generator=call.options.generator,
-            streamer=streamer,
-        )
+        with compiling([self, rounds.drafter.cost_key], compile_config_of(generation_config, target_cache)):
+            result = speculative_decode(
+                self, rounds, input_ids, model_kwargs.get("attention_mask"), target_cache,
+                logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                generation_config=generation_config, pad_token_id=pad_token_id, generator=call.options.generator,
+                streamer=streamer,
+            )
         return _generate_output(result, generation_config, target_cache, input_ids.shape[0])
 
     def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, rounds: Rounds,
@@ -192,8 +194,24 @@ class SpeculativeGenerationMixin(GenerationMixin):
         check_processors(logits_processor)
         target_cache = model_kwargs["cache"]
         prepare_for_rollback(target_cache, "cache")
+        target_cache = self._sized_static_cache(target_cache, input_ids, generation_config, rounds)
         fit_prompt(target_cache, input_ids.shape[1])
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
+
+    def _sized_static_cache(self, cache, input_ids, generation_config, rounds: Rounds):
+        """A static cache that holds every position the call may write (`static_cache_length`): transformers sizes
+        one for ``max_length`` positions, which drafts and a batch's holes outgrow, so a fresh one too small is made
+        again at the size needed; a filled one (passed as ``cache=``) too small is refused."""
+        length = static_length(cache)
+        needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], generation_config.max_length,
+                                     rounds.max_drafted)
+        if length is None or length >= needed:
+            return cache
+        if cache_length(cache) > 0:
+            raise ValueError(f"The static `cache` holds {length} positions, but this call may write {needed} (drafts "
+                             "past `max_length`, and a batch's rows drifting apart); build it with "
+                             f"`max_cache_len={needed}` or more.")
+        return new_cache(self, needed)
 
     def __reduce__(self):
         """Pickled as the original class's object, made speculative again when loaded (`torch.save` too)."""
@@ -202,6 +220,13 @@ class SpeculativeGenerationMixin(GenerationMixin):
 
 def _unpickle_speculative(model_class: type) -> PreTrainedModel:
     return _speculative_class(model_class).__new__(_speculative_class(model_class))
+
+
+def compile_config_of(generation_config, target_cache):
+    """The ``compile_config`` to run this call's passes with: set, on a static cache, and not ``disable_compile``."""
+    if generation_config.disable_compile or static_length(target_cache) is None:
+        return None
+    return generation_config.compile_config
 
 
 def _generate_output(result, generation_config, target_cache, batch_size: int):

@@ -215,3 +215,13 @@ def resolve_prompt_lookup(generation_config: GenerationConfig) -> tuple[int | No
     if num_tokens is not None:
         check_int("prompt_lookup_num_tokens", num_tokens)
     return num_tokens, 2 if ngram is None else check_int("max_matching_ngram_size", ngram)
+
+
+def static_cache_length(batch_size: int, prompt_length: int, max_length: int, max_drafted: int) -> int:
+    """Positions a static cache needs for a call: a verify pass writes up to ``max_drafted`` positions after the
+    committed ones, and in a batch every round may add holes (`hf_spec.rows`): the model view grows by up to
+    ``max_drafted + 1`` columns a round, for at most ``max_length - prompt_length`` rounds (every row gains a token
+    each round)."""
+    if batch_size == 1:
+        return max_length + max_drafted + 1
+    return prompt_length + (max_length - prompt_length) * (max_drafted + 1) + max_drafted + 1

@@ -25,8 +25,9 @@ import dataclasses
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
-from hf_spec.caches import check_tree_cache, keep_tree_path
+from hf_spec.caches import check_tree_cache, keep_tree_path, static_length
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal
+from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, FixedDraftLength
 from hf_spec.drafting.tree import DraftTree, TreeDrafter
 from hf_spec.forward import extend_mask, forward_missing, forward_tree
 from hf_spec.rejection import accept_draft_tokens, accept_greedy, accept_tree, accept_tree_greedy
@@ -61,6 +62,7 @@ class Rounds(abc.ABC):
     drafter: Drafter
     sizer: object  # chooses each round's size and learns from it (`hf_spec.drafting.draft_length`, `tree_size`)
     stop_below: float | None = None  # a chain's confidence threshold (`hf_spec.drafting.base.DraftContext`)
+    draft_cap: int | None = None  # with a static cache, the most tokens a round drafts (`start`)
 
     @property
     def is_timed(self) -> bool:
@@ -68,8 +70,25 @@ class Rounds(abc.ABC):
         return self.sizer.is_timed
 
     def start(self, batch: RaggedBatch, target_cache) -> None:
-        """Before the first round: refuse what this shape cannot do, and reset the drafter's state."""
+        """Before the first round: refuse what this shape cannot do, and reset the drafter's state (a draft model's
+        cache of the target's kind, dynamic or static)."""
+        self.drafter.match_cache(static_length(target_cache))
         self.drafter.reset()
+        # a static cache holds what `max_drafted` allows (`hf_spec.plan.static_cache_length`): no round drafts more
+        self.draft_cap = None if static_length(target_cache) is None else self.max_drafted
+
+    @property
+    def max_drafted(self) -> int:
+        """The most tokens a round may draft (what a static cache is sized for, `hf_spec.plan.static_cache_length`):
+        the sizer's largest k or node budget; a schedule without one (transformers' "heuristic") is capped at
+        `DEFAULT_MAX_DRAFT_TOKENS` in every round."""
+        sizer = self.sizer
+        for name in ("max_nodes", "num_nodes", "max_draft_tokens"):
+            if hasattr(sizer, name):
+                return getattr(sizer, name)
+        if isinstance(sizer, FixedDraftLength):
+            return sizer.num_draft_tokens
+        return DEFAULT_MAX_DRAFT_TOKENS
 
     @abc.abstractmethod
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal | DraftTree:
@@ -110,7 +129,8 @@ class ChainRounds(Rounds):
         self.drafter, self.sizer, self.stop_below = drafter, sizer, stop_below
 
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal:
-        return self.drafter.propose(batch, self.sizer.choose(tokens_left), context)
+        limit = tokens_left if self.draft_cap is None else min(tokens_left, self.draft_cap)
+        return self.drafter.propose(batch, self.sizer.choose(limit), context)
 
     def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft: Proposal,
                logits_processor: LogitsProcessorList) -> Verified:

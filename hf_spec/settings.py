@@ -84,19 +84,25 @@ SETTINGS: dict[str, Treatment] = {
     "use_cache": Treatment(REFUSED, "speculation needs KV caches", _not(
         True, "`use_cache=False` cannot be combined with `assistant_model`: speculation needs KV caches.")),
     "cache_implementation": Treatment(
-        HONOURED, "the default dynamic cache; other caches cannot be cropped back exactly and are refused",
-        lambda value, config: None if value in (None, "dynamic") else (
+        HONOURED, "'dynamic' (the default) and 'static' (preallocated, rolled back by moving its write position; a "
+        "draft model gets one of its own, a draft head keeps a small dynamic one); the other caches cannot be "
+        "cropped back exactly and are refused",
+        lambda value, config: None if value in (None, "dynamic", "static") else (
             f"`cache_implementation={value!r}` cannot be rolled back exactly by speculative decoding; use the "
-            "default dynamic cache (leave `cache_implementation` unset).")),
+            "default dynamic cache or 'static'.")),
     "cache_config": Treatment(TRANSFORMERS, "passed to the cache transformers builds"),
-    "max_cache_len": Treatment(WARNED, "sizes a static cache, which speculation does not use", _not(
-        None, "`max_cache_len` sizes a static cache; speculative decoding uses a dynamic cache, so it is not used.")),
+    "max_cache_len": Treatment(HONOURED, "sizes a static cache (of the target and of a draft model); it must hold "
+                               "`max_length` positions, or the call is refused before any pass"),
     "prefill_chunk_size": Treatment(WARNED, "hf_spec's first round feeds the whole prompt in one pass", _not(
         None, "`prefill_chunk_size` is not used by speculative decoding: its first round feeds the whole prompt "
         "in one target pass.")),
-    "compile_config": Treatment(WARNED, "transformers compiles static-cache decoding; speculation runs eagerly", _not(
-        None, "`compile_config` is not used by speculative decoding: its passes run eagerly.")),
-    "disable_compile": Treatment(HONOURED, "speculative passes run eagerly: nothing is compiled"),
+    "compile_config": Treatment(
+        HONOURED, "with a static cache, the target's verify passes and a draft model's steps run compiled "
+        "(`torch.compile` with its mode, backend and fullgraph; widths padded to a few sizes, `hf_spec.compiled`); "
+        "without one it is refused", lambda value, config: None if value is None or config.cache_implementation ==
+        "static" else ("`compile_config` compiles the passes of a static cache; pass "
+                       "`cache_implementation='static'` too (a dynamic cache's shapes change every round).")),
+    "disable_compile": Treatment(HONOURED, "no pass is compiled, whatever `compile_config` says"),
     "continuous_batching_config": Treatment(TRANSFORMERS, "`cache_implementation='paged'` switches to transformers' "
                                             "continuous batching, which refuses an assistant model"),
     # assisted generation
@@ -141,7 +147,7 @@ def check_settings(generation_config: GenerationConfig, user: dict[str, Any]) ->
         if problem is None:
             continue
         problem = f"{problem} (It is {value!r}.)"
-        if treatment.kind == REFUSED:
+        if treatment.kind in (REFUSED, HONOURED):  # an honoured setting at a value it cannot honour: refused
             raise ValueError(problem)
         _warn_once(problem)
 

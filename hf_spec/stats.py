@@ -30,6 +30,8 @@ class SpeculativeStats:
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
         rows: per batch row, in the input's order.
+        profile: seconds per section of the loop (`hf_spec.profiling.SECTIONS`) when the call ran inside
+            `hf_spec.profiling.profile_rounds`, else ``None``.
     """
 
     num_rounds: int = 0
@@ -43,6 +45,7 @@ class SpeculativeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
+    profile: dict[str, float] | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -79,6 +82,9 @@ class SpeculativeStats:
                 _grow(mine, len(theirs))
                 for i, count in enumerate(theirs):
                     mine[i] += count
+            if stats.profile is not None:
+                total.profile = {name: (total.profile or {}).get(name, 0.0) + seconds
+                                 for name, seconds in stats.profile.items()}
         return total
 
     def record_seconds(self, draft_seconds: float, verify_seconds: float) -> None:
@@ -139,6 +145,8 @@ class SpeculativeStats:
             text += f"; {self.mean_draft_length:.2f} tokens drafted per round"
         if len(self.rows) > 1:
             text += "; acceptance by row " + ", ".join(f"{row.acceptance_rate:.1%}" for row in self.rows)
+        if self.profile is not None:
+            text += "; profile " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.profile.items())
         return text
 
 

@@ -8,7 +8,8 @@
 - ``transformers_heuristic``: its "heuristic" schedule (k + 2 after a full acceptance, k - 1 otherwise), from k;
 - ``transformers_lookup``: its prompt lookup, ``prompt_lookup_num_tokens=k``;
 - ``hf_spec``: ours, ``num_assistant_tokens=k``; ``hf_spec_k<N>``: ours with k = N; ``hf_spec_auto``: ours with
-  ``num_assistant_tokens="auto"``;
+  ``num_assistant_tokens="auto"``; ``quickstart``: the README's call, ``generate(assistant_model=draft)`` with no
+  draft setting (hf_spec's defaults);
 - ``hf_spec_lookup``: our prompt lookup, ``prompt_lookup_num_tokens=k``; ``hf_spec_lookup_draft``: lookup first, the
   draft model when nothing matches;
 - ``hf_spec_tree<N>``: ours with a tree of at most N draft-model tokens per round, at most k deep
@@ -29,10 +30,11 @@ from transformers import PreTrainedModel
 
 from hf_spec.drafting.base import DraftSource
 from hf_spec.mixin import without_speculation
+from hf_spec.profiling import profile_rounds
 
 METHODS = (
     "target_only", "transformers", "transformers_default", "transformers_heuristic", "transformers_lookup",
-    "hf_spec", "hf_spec_auto", "hf_spec_lookup", "hf_spec_lookup_draft",
+    "hf_spec", "hf_spec_auto", "hf_spec_lookup", "hf_spec_lookup_draft", "quickstart",
 )
 DEFAULT_METHODS = ("target_only", "transformers", "transformers_default", "hf_spec")
 SETTINGS = {
@@ -80,6 +82,7 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
             "assistant_confidence_threshold": 0.0}),
         "transformers_lookup": MethodSpec(False, False, {"prompt_lookup_num_tokens": k}),
         "hf_spec_auto": MethodSpec(True, True, {"num_assistant_tokens": "auto"}),
+        "quickstart": MethodSpec(True, True, {}),
         "hf_spec_lookup": MethodSpec(True, False, {"prompt_lookup_num_tokens": k}),
         "hf_spec_lookup_draft": MethodSpec(True, True, {"prompt_lookup_num_tokens": k}),
     }
@@ -103,13 +106,15 @@ def assistant_config(draft: PreTrainedModel, **fields) -> Iterator[None]:
             setattr(config, name, value)
 
 
-def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs: dict):
-    """``(sequence [total], hf_spec stats or None)`` of one batch-1 call."""
+def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs: dict, profile: bool = False):
+    """``(sequence [total], hf_spec stats or None)`` of one batch-1 call; ``profile``: hf_spec's calls fill
+    ``stats.profile`` (`hf_spec.profiling`)."""
     kwargs = {**inputs, **generate_kwargs, **spec.generate_kwargs}
     if spec.uses_draft:
         kwargs["assistant_model"] = draft
     if spec.is_ours:
-        output = target.generate(**kwargs, return_dict_in_generate=True)
+        with profile_rounds() if profile else contextlib.nullcontext():
+            output = target.generate(**kwargs, return_dict_in_generate=True)
         return output.sequences[0], getattr(output, "speculative_stats", None)
     with without_speculation(target), assistant_config(draft, **(spec.assistant_settings or {})):
         return target.generate(**kwargs)[0], None

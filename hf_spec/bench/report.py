@@ -10,6 +10,12 @@ before the runs::
 The formula assumes a (k+1)-token verify pass costs one target step. ``predicted_block_cost`` replaces that 1 by the
 measured cost ratio ``b`` of a (k+1)-token block to a step, so the share of it that a method reaches is what its own
 overhead leaves. It applies to methods that draft a fixed k with a draft model.
+
+For every method, ``modelled_speedup`` prices the passes a method actually ran (target passes at their mean block
+size, draft passes) at the cost probe's figures, against target-only steps at the same figures: it compares the
+methods' decisions free of the runs' timing noise, and ``vs target-only`` / ``modelled`` is the share the loop's
+own overhead (and the machine's noise) leaves. ``speedup_median`` and its range are over prompts (and repeats),
+each against target-only decoding of the same prompt; ``profile_shares``: where hf_spec's time went.
 """
 
 from __future__ import annotations
@@ -48,10 +54,11 @@ class Run:
     identical_to_target_only: bool | None = None
     new_ids: list[int] | None = None  # what the call generated (up to and including the first EOS)
     text: str | None = None  # ``new_ids`` decoded, when a tokenizer was given
+    profile: dict[str, float] | None = None  # hf_spec's loop, seconds per section (`hf_spec.profiling`)
 
 
 def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], method_k: dict[str, int | None],
-              weights: dict[str, int]) -> list[dict]:
+              weights: dict[str, int], cost_table: CostTable | None = None) -> list[dict]:
     """One row per (workload, setting, method) with every figure the report shows, then, with several workloads,
     one row per (setting, method) over all of them (workload ``"all"``).
 
@@ -61,6 +68,9 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
         costs, weights: keyed by workload (``"target"``, ``"draft"``) for the first pair, ``<workload>@<label>``
             (``"target@<label>"``, ``"draft@<label>"``) for a variant (methods named ``<method>@<label>``), whose
             own target-only baseline is ``target_only@<label>``, or ``target_only`` where that did not run.
+        cost_table: the probe's pass costs (`hf_spec.drafting.costs`): the ``modelled_speedup`` of each row is the
+            speed-up its counts (target passes and their sizes, draft passes) give at those costs, free of the timing
+            noise of the runs themselves.
     """
     workloads = list(dict.fromkeys(run.workload for run in runs))
     if len(workloads) > 1:
@@ -108,7 +118,45 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
         best = max(by_key[(*key, name)]["tokens_per_second"] for name in KERNEL_BASELINES if (*key, name) in by_key)
         row["speedup_vs_best_target_only"] = row["tokens_per_second"] / best
         row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
+        row.update(_spread(groups, key, row["method"], own["method"]))
+        row["modelled_speedup"] = _modelled(groups[(*key, row["method"])], cost_table) if not variant else None
+        row["profile_shares"] = _profile_shares(groups[(*key, row["method"])])
     return rows
+
+
+def _spread(groups: dict, key: tuple[str, str], method: str, baseline: str) -> dict:
+    """Median and range over prompts (and repeats) of the speed-up over ``baseline`` on the same prompt."""
+    base = {(run.prompt, run.repeat, run.workload): run.new_tokens / run.seconds for run in groups[(*key, baseline)]}
+    ratios = [run.new_tokens / run.seconds / base[(run.prompt, run.repeat, run.workload)]
+              for run in groups[(*key, method)] if (run.prompt, run.repeat, run.workload) in base]
+    if not ratios:
+        return dict.fromkeys(("speedup_median", "speedup_min", "speedup_max"))
+    return {"speedup_median": float(np.median(ratios)), "speedup_min": min(ratios), "speedup_max": max(ratios)}
+
+
+def _modelled(group: list[Run], table: CostTable | None) -> float | None:
+    """Target-only seconds over this method's, both at the probe's costs: each target pass priced at its mean block
+    size's cost, each draft pass at a draft step."""
+    if table is None or not table.target_block_seconds:
+        return None
+    tokens = sum(run.new_tokens for run in group)
+    passes = sum(run.target_passes for run in group)
+    block = (sum(run.proposed or 0 for run in group) + passes) / max(1, passes)  # tokens per verify pass
+    sizes = sorted(table.target_block_seconds)
+    pass_seconds = float(np.interp(block, sizes, [table.target_block_seconds[size] for size in sizes]))
+    seconds = passes * pass_seconds + sum(run.draft_passes for run in group) * table.draft_step_seconds
+    return tokens * table.target_step_seconds / seconds if seconds else None
+
+
+def _profile_shares(group: list[Run]) -> dict[str, float] | None:
+    """Each profiled section's share of the calls' wall time, and ``outside the loop`` (generate()'s own setup)."""
+    profiled = [run for run in group if run.profile]
+    if not profiled:
+        return None
+    total = sum(run.seconds for run in profiled)
+    shares = {name: sum(run.profile[name] for run in profiled) / total for name in profiled[0].profile}
+    shares["outside the loop"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
 
 
 def variant_suffix(method: str) -> str:
@@ -140,30 +188,43 @@ def format_table(report: dict) -> str:
         return "-" if value is None else format(value, spec) + unit
 
     header = (
-        "| workload | setting | method | tok/s | vs target-only | vs transformers | acceptance | tokens/pass "
-        "| predicted (b=1) | predicted (measured b) | share of predicted (measured b) | p50 s | p90 s | peak MB "
-        "| identical to target-only |"
+        "| workload | setting | method | tok/s | vs target-only | per prompt: median [range] | vs transformers "
+        "| acceptance | tokens/pass | modelled | share of modelled | share of predicted (measured b) | p50 s | p90 s "
+        "| peak MB | identical to target-only |"
     )
     has_variants = any("@" in row["method"] for row in report["results"])
     has_stock = any(row["speedup_vs_stock_target_only"] is not None for row in report["results"])
     extra = ((" vs own target-only |" if has_variants else "")
              + (" vs stock | vs best target-only |" if has_stock else ""))
-    header = header.replace("| vs transformers |", "|" + extra + " vs transformers |")
-    lines = [header, "|" + "---|" * (15 + has_variants + 2 * has_stock)]
+    header = header.replace("| vs transformers |", "|" + extra + " vs transformers |", 1)
+    lines = [header, "|" + "---|" * (16 + has_variants + 2 * has_stock)]
     for row in report["results"]:
         own = f"| {number(row['speedup_vs_own_target_only'], '.2f', 'x')} " if has_variants else ""
         if has_stock:
             own += (f"| {number(row['speedup_vs_stock_target_only'], '.2f', 'x')} "
                     f"| {number(row['speedup_vs_best_target_only'], '.2f', 'x')} ")
+        spread = ("-" if row.get("speedup_median") is None else
+                  f"{row['speedup_median']:.2f}x [{row['speedup_min']:.2f}, {row['speedup_max']:.2f}]")
+        modelled = row.get("modelled_speedup")
         lines.append(
             f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_second']:.2f} "
-            f"| {row['speedup_vs_target_only']:.2f}x {own}| {number(row['speedup_vs_transformers'], '.2f', 'x')} "
+            f"| {row['speedup_vs_target_only']:.2f}x | {spread} {own}"
+            f"| {number(row['speedup_vs_transformers'], '.2f', 'x')} "
             f"| {number(row['acceptance_rate'], '.2f')} | {row['tokens_per_target_pass']:.2f} "
-            f"| {number(row['predicted_speedup'], '.2f')} | {number(row['predicted_speedup_block_cost'], '.2f')} "
+            f"| {number(modelled, '.2f', 'x')} "
+            f"| {number(None if not modelled else row['speedup_vs_target_only'] / modelled, '.0%')} "
             f"| {number(row['share_of_predicted_block_cost'], '.0%')} | {row['latency_p50_seconds']:.1f} "
             f"| {row['latency_p90_seconds']:.1f} | {row['peak_memory_bytes'] / 2**20:.0f} "
             f"| {number(row['identical_to_target_only'], '.0%')} |"
         )
+    profiled = [row for row in report["results"] if row.get("profile_shares") and row["workload"] != ALL_WORKLOADS]
+    if profiled:
+        sections = list(profiled[0]["profile_shares"])
+        lines += ["", "Where hf_spec's time goes (share of each call's wall time, `hf_spec.profiling`):", "",
+                  "| workload | setting | method | " + " | ".join(sections) + " |",
+                  "|" + "---|" * (3 + len(sections))]
+        lines += [f"| {row['workload']} | {row['setting']} | {row['method']} | "
+                  + " | ".join(f"{row['profile_shares'][name]:.0%}" for name in sections) + " |" for row in profiled]
     costs = "; ".join(
         f"{name}: c = {c['cost_ratio']:.2f}, "
         + ", ".join(f"b(k={k}) = {b:.2f}" for k, b in c["block_cost_by_k"].items())

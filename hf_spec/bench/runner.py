@@ -44,13 +44,13 @@ from hf_spec.plan import make_drafter
 
 
 def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
-            **where):
-    """``(Run, new ids [new])`` of one timed call."""
+            profile: bool = False, **where):
+    """``(Run, new ids [new])`` of one timed call (``profile``: hf_spec's loop profiled, `hf_spec.profiling`)."""
     prompt_length = inputs["input_ids"].shape[1]
     with (ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls,
           PeakMemory(target.device) as memory):
         started = time.perf_counter()
-        sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs)
+        sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs, profile)
         seconds = time.perf_counter() - started
     new_tokens = count_new_tokens(sequence[prompt_length:], eos_ids)
     if stats is not None:
@@ -63,6 +63,7 @@ def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwarg
     run = Run(method=method, seconds=seconds, new_tokens=new_tokens, target_passes=target_calls.count,
               draft_passes=draft_calls.count, proposed=proposed, accepted=accepted,
               working_memory_bytes=memory.peak_bytes, new_ids=new_ids,
+              profile=None if stats is None else stats.profile,
               text=None if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=True), **where)
     return run, sequence[prompt_length:]
 
@@ -81,6 +82,7 @@ def run_benchmark(
     progress: bool = True,
     variants: dict[str, PreTrainedModel | tuple[PreTrainedModel, PreTrainedModel]] | None = None,
     tokenizer=None,
+    profile: bool | None = None,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
 
@@ -93,6 +95,8 @@ def run_benchmark(
         variants: label -> another target (same tokenizer) or ``(target, draft)`` pair, run by the methods named
             ``<method>@<label>``.
         tokenizer: decodes each call's new tokens into the report's runs (``text``).
+        profile: profile hf_spec's loop (`hf_spec.profiling`: where each call's time goes); default: on a CPU (where
+            it costs a few timestamps a round), not on an accelerator (where it synchronizes the device).
     """
     settings = SETTINGS if settings is None else settings
     for name, value in (("num_draft_tokens", num_draft_tokens), ("max_new_tokens", max_new_tokens),
@@ -114,7 +118,8 @@ def run_benchmark(
              for name, prompts in workloads.items()}
     largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
     cost_table = probe_costs(plan.pairs[""][0], make_drafter(plan.pairs[""][1]), probe_sizes(largest))
-    runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer)
+    profile = plan.pairs[""][0].device.type == "cpu" if profile is None else profile
+    runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
 
     weights = {}
     for suffix, (variant_target, variant_draft) in plan.pairs.items():
@@ -125,7 +130,7 @@ def run_benchmark(
         "machine": machine_info(),
         "config": {
             "num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "repeats": repeats,
-            "seed": seed, "methods": list(methods), "settings": settings,
+            "seed": seed, "methods": list(methods), "settings": settings, "profile": profile,
             "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
             "dtype": str(target.dtype).removeprefix("torch."),
             "quantization": quantization_of(target),
@@ -140,7 +145,7 @@ def run_benchmark(
                          "block_cost_by_k": {kk: c.block_cost(kk) for kk in sorted(fixed_ks)}}
                   for name, c in costs.items()},
         "results": summarize(runs, list(methods), costs,
-                             {m: s.fixed_num_draft_tokens for m, s in plan.specs.items()}, weights),
+                             {m: s.fixed_num_draft_tokens for m, s in plan.specs.items()}, weights, cost_table),
         "runs": [dataclasses.asdict(run) for run in runs],
     }
 
@@ -180,7 +185,7 @@ class _Plan:
 
 
 def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int, seed: int,
-                      progress: bool, tokenizer=None) -> list[Run]:
+                      progress: bool, tokenizer=None, profile: bool = False) -> list[Run]:
     """Every method on every (workload, setting, prompt, repeat), the methods' order rotating from one to the next;
     greedy outputs compared with target-only decoding of the same target."""
     methods = tuple(plan.specs)
@@ -196,8 +201,8 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
                 run, new_ids[method] = run_one(method, plan.specs[method], *plan.pair(method),
                                                workloads[workload][prompt],
                                                {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
-                                               tokenizer, workload=workload, setting=setting, prompt=prompt,
-                                               repeat=repeat)
+                                               tokenizer, profile, workload=workload, setting=setting,
+                                               prompt=prompt, repeat=repeat)
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")

@@ -12,6 +12,8 @@ import argparse
 import logging
 import sys
 
+from transformers.utils import logging as transformers_logging
+
 from hf_spec import __version__
 from hf_spec.cli import bench, distill, eval_draft, generate, train_head
 from hf_spec.loading.pair import model_name
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version, or a bad option (already printed)
         return int(exit_.code or 0)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
+    had_bars = transformers_logging.is_progress_bar_enabled()
+    if getattr(args, "no_progress", False):  # transformers' own bars too (loading weights, saving shards)
+        transformers_logging.disable_progress_bar()
     for option in ("target", "draft"):  # the names the loaders will use ($HF_SPEC_MODELS=tiny: the tiny pair)
         if isinstance(getattr(args, option, None), str):
             setattr(args, option, model_name(getattr(args, option)))
@@ -55,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = "" if isinstance(error, (ValueError, TypeError, ImportError, OSError)) else f"{type(error).__name__}: "
         print(f"hf-spec {args.command}: error: {kind}{error}", file=sys.stderr)
         return 2
+    finally:
+        if had_bars:  # as it was: a caller in the same process keeps its bars
+            transformers_logging.enable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--offset", type=int, default=0,
                         help="skip this many prompts of each workload (hold out what a draft was trained on)")
     parser.add_argument("--repeats", type=positive_int, default=1, help="calls per prompt and method")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile hf_spec's loop, where each call's time goes (default: on a CPU; on a GPU it "
+                             "synchronizes the device at each step)")
     parser.add_argument("--plot", default="bench.png", metavar="PATH", help="the plot (PNG)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         pair.target, pair.draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
         methods=methods, variants=variants, num_draft_tokens=args.num_assistant_tokens,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
-        tokenizer=pair.tokenizer,
+        tokenizer=pair.tokenizer, profile=args.profile,
     )
     report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft,
                             cpu_paths={role: None if path is None else dataclasses.asdict(path)

@@ -83,6 +83,11 @@ class Drafter(abc.ABC):
         """Forget the previous call's state; the loop calls it before a call's first round (a drafter passed as
         ``assistant_model`` serves many calls)."""
 
+    def match_cache(self, static_length: int | None) -> None:
+        """Before `reset`: the target's cache is static with ``static_length`` positions (``None``: dynamic). A
+        drafter with a model of its own may give it a cache of the same kind; the default keeps whatever it has
+        (a draft head's small cache stays dynamic)."""
+
     def check(self, target: PreTrainedModel, max_length: int) -> None:
         """Refuse, before any forward pass and with an error naming ``assistant_model``, a drafter that cannot serve
         ``target`` up to ``max_length`` tokens (another device, another model's head, too short a position table)."""

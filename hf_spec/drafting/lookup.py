@@ -57,6 +57,9 @@ class LookupThenModel(Drafter):
             return point_mass_proposal(candidates, batch, context)
         return self.model.propose(batch, num_draft_tokens, context)
 
+    def match_cache(self, static_length: int | None) -> None:
+        self.model.match_cache(static_length)
+
     def reset(self) -> None:
         self.model.reset()
 

@@ -17,6 +17,7 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
+        self.static_length: int | None = None  # the target's static cache length, matched (`match_cache`)
         self.cache = new_cache(model)
 
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
@@ -43,8 +44,11 @@ class ModelDrafter(Drafter):
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
                         num_model_steps=draft_ids.shape[1])
 
+    def match_cache(self, static_length: int | None) -> None:
+        self.static_length = static_length
+
     def reset(self) -> None:
-        self.cache = new_cache(self.model)
+        self.cache = new_cache(self.model, self.static_length)
 
     def check(self, target: PreTrainedModel, max_length: int) -> None:
         check_draft_model(self.model, target, max_length)

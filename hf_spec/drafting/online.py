@@ -5,12 +5,14 @@
   depth), counted with exponential forgetting and shrunk towards the pooled rate of all positions, itself shrunk
   towards a prior;
 - `PassCosts`: seconds of a draft pass and of target passes by size, seeded by the cost probe
-  (`hf_spec.drafting.costs`) and then measured; a size not measured yet is interpolated, or extrapolated with the slope
-  measured so far;
+  (`hf_spec.drafting.costs`) and then measured, each new timing clipped to within `OUTLIER_RATIO` of the estimate so
+  far (on a shared machine the same pass can take twice as long from one second to the next); a size not measured
+  yet is interpolated, or extrapolated with the slope measured so far;
 - `Exploration`: after rounds without drafting, one round drafts a single token so the acceptance estimate can
   recover; each exploration that does not bring drafting back doubles the wait;
 - `ClockGuard`: tokens per second of steady rounds that drafted and of plain steps, so that the clock can overrule
-  the cost model (which misses costs such as a draft catching up on skipped tokens).
+  the cost model (which misses costs such as a draft catching up on skipped tokens) once drafting is slower by a
+  margin (`CLOCK_MARGIN`).
 
 `OnlineSizer` holds one of each and the rules both sizers share: the probe's costs as a start, k = 0 throughout where
 even a perfect draft cannot pay, the forced choices (before any cost, exploring), and what a finished round teaches.
@@ -32,6 +34,10 @@ MAX_EXPLORE_EVERY = 128
 RATE_EVIDENCE = 6
 #: Rounds whose choices a sizer keeps in ``chosen`` (a reused instance would otherwise grow without bound).
 MAX_CHOSEN = 10_000
+#: A timing more than this many times away from the running estimate counts as this far (`clipped`).
+OUTLIER_RATIO = 1.5
+#: Drafting must be measurably slower than plain steps, by this factor, before the clock overrules the cost model.
+CLOCK_MARGIN = 0.9
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +95,17 @@ class PassCosts:
                 self.blocks.setdefault(size, DecayedMean(self.decay)).add(seconds, weight)
 
     def add_block(self, size: int, seconds: float) -> None:
-        self.blocks.setdefault(size, DecayedMean(self.decay)).add(seconds)
+        self.blocks.setdefault(size, DecayedMean(self.decay))
+        self.blocks[size].add(clipped(seconds, self.blocks[size]))
+
+
+def clipped(seconds: float, mean: DecayedMean) -> float:
+    """A new timing, at most `OUTLIER_RATIO` times away from the estimate so far: on a shared machine one slow (or
+    fast) phase is noise, and a single outlier would otherwise move the choice for many rounds."""
+    if mean.weight <= 0:
+        return seconds
+    estimate = mean.get(seconds)
+    return min(max(seconds, estimate / OUTLIER_RATIO), estimate * OUTLIER_RATIO)
 
     def block_seconds(self, size: int) -> float | None:
         """Estimated seconds of a target pass over ``size`` tokens (``None`` before any measurement)."""
@@ -150,7 +166,7 @@ class ClockGuard:
         drafting, plain = self.rates[True], self.rates[False]
         if drafting.count < RATE_EVIDENCE or plain.count < RATE_EVIDENCE:
             return False
-        return drafting.get(0.0) < plain.get(0.0)
+        return drafting.get(0.0) < CLOCK_MARGIN * plain.get(0.0)
 
 
 class OnlineSizer:
@@ -226,7 +242,7 @@ class OnlineSizer:
         is_drafting = num_block_tokens > 1
         if verify_seconds is not None:
             if num_model_steps > 0:
-                draft_step.add(draft_seconds / num_model_steps)
+                draft_step.add(clipped(draft_seconds / num_model_steps, draft_step))
             self.costs.add_block(num_block_tokens, verify_seconds)
         self.clock.add(is_drafting, emitted, None if verify_seconds is None else draft_seconds + verify_seconds)
         self.exploration.learn(is_drafting)

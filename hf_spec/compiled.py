@@ -1,0 +1,106 @@
+"""Compiled forward passes on the static-cache path: ``generate(..., cache_implementation="static",
+compile_config=CompileConfig(...))``.
+
+The target's verify passes and a draft model's steps run through ``torch.compile`` with the config's ``fullgraph``,
+``dynamic``, ``backend``, ``mode`` and ``options`` (``mode="reduce-overhead"`` gives CUDA graphs on a GPU). With a
+static cache every input but the tokens fed has a fixed shape (the 2D mask spans the cache's ``max_cache_len``
+positions, `hf_spec.forward`), so a pass is padded to the next of a few widths (`WIDTHS`) and a process compiles at
+most one graph per (model, width, batch size): a prefill wider than the largest runs eagerly, as transformers does.
+The padded positions are written into the cache like any fed token and cut off right after the pass (a static
+cache's crop moves its write position back), so no query ever sees them (`hf_spec.caches`); their logits and hidden
+states are dropped. The processor chain, acceptance and sampling stay outside the graphs, adding no host sync.
+
+`compiled_passes` counts the graphs compiled per model (`CompiledForward.num_graphs`), so a test can check that a
+steady-state call compiles nothing new. Compiled functions are kept per model (weakly) and reused across calls with
+the same config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation.configuration_utils import CompileConfig
+
+#: Widths a compiled pass is padded to; wider passes (a prompt's prefill) run eagerly.
+WIDTHS = (1, 2, 4, 8, 16, 32)
+
+_ACTIVE: contextvars.ContextVar[dict[int, CompiledForward] | None] = contextvars.ContextVar(
+    "hf_spec_compiled", default=None)
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, CompiledForward]] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class CompiledForward:
+    """A model's compiled ``forward``, and how many graphs it compiled."""
+
+    function: Callable
+    num_graphs: int = 0
+
+
+def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> CompiledForward:
+    """The compiled ``forward`` of ``model`` under ``config`` (made once per model and config)."""
+    key = repr(config.to_dict()) if hasattr(config, "to_dict") else repr(config)
+    per_model = _COMPILED.setdefault(model, {})
+    if key not in per_model:
+        compiled = CompiledForward(function=None)
+        if config.backend == "inductor":  # what torch.compile(mode=..., options=...) builds for inductor
+            backend = torch._TorchCompileInductorWrapper(config.mode, config.options, config.dynamic)
+        else:
+            backend = torch._dynamo.lookup_backend(config.backend)
+
+        def counting_backend(graph, example_inputs):  # every graph dynamo hands over is one compilation
+            compiled.num_graphs += 1
+            return backend(graph, example_inputs)
+
+        compiled.function = torch.compile(model.forward, backend=counting_backend, fullgraph=config.fullgraph,
+                                          dynamic=config.dynamic)
+        per_model[key] = compiled
+    return per_model[key]
+
+
+@contextlib.contextmanager
+def compiling(models: list[torch.nn.Module], config: CompileConfig | None) -> Iterator[dict[int, CompiledForward]]:
+    """Within the block, `hf_spec.forward` runs these models' passes compiled (nothing when ``config`` is None)."""
+    active = {} if config is None else {id(model): compiled_forward(model, config) for model in models}
+    token = _ACTIVE.set(active or None)
+    try:
+        yield active
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_forward(model: torch.nn.Module) -> CompiledForward | None:
+    """The compiled forward to run ``model``'s pass with in this call, or ``None`` (eager)."""
+    active = _ACTIVE.get()
+    return None if active is None else active.get(id(model))
+
+
+def padded_width(num_fed: int) -> int | None:
+    """The width a pass of ``num_fed`` tokens is padded to, or ``None`` when it runs eagerly."""
+    return next((width for width in WIDTHS if width >= num_fed), None)
+
+
+def pad_inputs(inputs: dict, width: int) -> dict:
+    """The pass's inputs with ``width - fed`` more tokens (the last one repeated, at the following positions) and
+    every logit kept (``logits_to_keep`` would otherwise vary with the pass)."""
+    extra = width - inputs["input_ids"].shape[1]
+    ids, positions = inputs["input_ids"], inputs["position_ids"]  # [batch, fed]
+    steps = torch.arange(1, extra + 1, device=positions.device)  # [extra]
+    padded = {**inputs, "input_ids": torch.cat([ids, ids[:, -1:].expand(-1, extra)], dim=1),
+              "position_ids": torch.cat([positions, positions[:, -1:] + steps], dim=1)}
+    if "logits_to_keep" in padded:
+        padded["logits_to_keep"] = 0
+    return padded
+
+
+def strip_padding(logits: torch.Tensor, hidden: tuple | None, num_fed: int) -> tuple[torch.Tensor, tuple | None]:
+    """Logits ``[batch, fed, vocab]`` and hidden states of the fed tokens only."""
+    hidden = None if hidden is None else tuple(None if states is None else states[:, :num_fed] for states in hidden)
+    return logits[:, :num_fed], hidden
+
