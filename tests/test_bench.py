@@ -24,6 +24,7 @@ RESULT_FIELDS = {
     "predicted_speedup", "speedup_vs_stock_target_only", "speedup_vs_best_target_only",
     "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_seconds",
     "latency_p90_seconds", "weights_bytes", "working_memory_bytes", "peak_memory_bytes", "identical_to_target_only",
+    "speedup_median", "speedup_min", "speedup_max", "modelled_speedup", "profile_shares",
 }
 
 
@@ -119,6 +120,12 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
         assert row["peak_memory_bytes"] >= row["weights_bytes"] > 0
         assert row["speedup_vs_transformers"] == pytest.approx(
             row["tokens_per_second"] / results[(*key[:2], "transformers")]["tokens_per_second"])
+        assert row["speedup_min"] <= row["speedup_median"] <= row["speedup_max"]
+        if key[2] == "target_only":  # each prompt against itself; one pass per token at the probe's step cost
+            assert row["speedup_min"] == row["speedup_max"] == 1.0 and row["modelled_speedup"] == pytest.approx(1.0)
+        if key[2] == "hf_spec":  # the CPU default profiles: the sections and what lies outside them make the whole
+            assert sum(row["profile_shares"].values()) == pytest.approx(1.0, abs=1e-6)
+            assert min(row["profile_shares"].values()) >= 0 and row["profile_shares"]["target forward"] > 0
     for workload in ("code", "prose"):
         ours, theirs = results[(workload, "greedy", "hf_spec")], results[(workload, "greedy", "transformers")]
         assert ours["identical_to_target_only"] == 1.0 and theirs["identical_to_target_only"] == 1.0

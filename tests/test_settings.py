@@ -38,11 +38,19 @@ def pair():
 REFUSED_VALUES = {
     "guidance_scale": 1.5, "num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5, "penalty_alpha": 0.6,
     "dola_layers": "low", "constraints": ["a"], "force_words_ids": [[1]], "num_return_sequences": 2,
-    "output_attentions": True, "output_hidden_states": True, "use_cache": False, "cache_implementation": "static",
-    "assistant_ensemble_weight": 0.5,
+    "output_attentions": True, "output_hidden_states": True, "use_cache": False,
+    "cache_implementation": "offloaded", "assistant_ensemble_weight": 0.5,
+    "compile_config": "CompileConfig(fullgraph=True)",  # without a static cache; built in the test
 }
-WARNED_VALUES = {"prefill_chunk_size": 4, "max_cache_len": 64, "compile_config": {"fullgraph": True},
-                 "assistant_lookbehind": 3, "target_lookbehind": 3}
+WARNED_VALUES = {"prefill_chunk_size": 4, "assistant_lookbehind": 3, "target_lookbehind": 3}
+
+
+def setting_value(name: str, values: dict):
+    if name == "compile_config":
+        from transformers import CompileConfig
+
+        return CompileConfig(fullgraph=True)
+    return values[name]
 
 
 def test_every_refused_setting_has_a_refused_value_here():
@@ -57,18 +65,15 @@ def test_a_refused_setting_is_an_error_naming_it(pair, name):
     target, draft = pair
     extra = {"num_beams": 2} if name in ("num_beam_groups", "diversity_penalty") else {}
     with pytest.raises(ValueError, match=f"`{name}|supports greedy decoding and sampling only") as error:
-        target.generate(PROMPT, assistant_model=draft, max_new_tokens=4, **{name: REFUSED_VALUES[name], **extra})
+        target.generate(PROMPT, assistant_model=draft, max_new_tokens=4,
+                        **{name: setting_value(name, REFUSED_VALUES), **extra})
     assert name in str(error.value) or "select" in str(error.value)
 
 
 @pytest.mark.parametrize("name", sorted(WARNED_VALUES))
 def test_a_warned_setting_says_what_runs_instead(pair, name, caplog):
     target, draft = pair
-    value = WARNED_VALUES[name]
-    if name == "compile_config":
-        from transformers import CompileConfig
-
-        value = CompileConfig(fullgraph=True)
+    value = setting_value(name, WARNED_VALUES)
     with caplog.at_level(logging.WARNING, logger="hf_spec.settings"):
         output = target.generate(PROMPT, assistant_model=draft, max_new_tokens=6, do_sample=False, **{name: value})
     assert output.shape[1] == PROMPT.shape[1] + 6

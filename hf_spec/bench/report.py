@@ -118,17 +118,21 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
         best = max(by_key[(*key, name)]["tokens_per_second"] for name in KERNEL_BASELINES if (*key, name) in by_key)
         row["speedup_vs_best_target_only"] = row["tokens_per_second"] / best
         row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
-        row.update(_spread(groups, key, row["method"], own["method"]))
+        row.update(_spread(groups, [key] if key[0] != ALL_WORKLOADS else [(name, key[1]) for name in workloads],
+                           row["method"], own["method"]))
         row["modelled_speedup"] = _modelled(groups[(*key, row["method"])], cost_table) if not variant else None
         row["profile_shares"] = _profile_shares(groups[(*key, row["method"])])
     return rows
 
 
-def _spread(groups: dict, key: tuple[str, str], method: str, baseline: str) -> dict:
-    """Median and range over prompts (and repeats) of the speed-up over ``baseline`` on the same prompt."""
-    base = {(run.prompt, run.repeat, run.workload): run.new_tokens / run.seconds for run in groups[(*key, baseline)]}
-    ratios = [run.new_tokens / run.seconds / base[(run.prompt, run.repeat, run.workload)]
-              for run in groups[(*key, method)] if (run.prompt, run.repeat, run.workload) in base]
+def _spread(groups: dict, keys: list[tuple[str, str]], method: str, baseline: str) -> dict:
+    """Median and range over prompts (and repeats) of the speed-up over ``baseline`` on the same prompt, pooled over
+    the (workload, setting) ``keys``."""
+    ratios = []
+    for key in keys:
+        base = {(run.prompt, run.repeat): run.new_tokens / run.seconds for run in groups.get((*key, baseline), [])}
+        ratios += [run.new_tokens / run.seconds / base[(run.prompt, run.repeat)]
+                   for run in groups.get((*key, method), []) if (run.prompt, run.repeat) in base]
     if not ratios:
         return dict.fromkeys(("speedup_median", "speedup_min", "speedup_max"))
     return {"speedup_median": float(np.median(ratios)), "speedup_min": min(ratios), "speedup_max": max(ratios)}

@@ -98,15 +98,6 @@ class PassCosts:
         self.blocks.setdefault(size, DecayedMean(self.decay))
         self.blocks[size].add(clipped(seconds, self.blocks[size]))
 
-
-def clipped(seconds: float, mean: DecayedMean) -> float:
-    """A new timing, at most `OUTLIER_RATIO` times away from the estimate so far: on a shared machine one slow (or
-    fast) phase is noise, and a single outlier would otherwise move the choice for many rounds."""
-    if mean.weight <= 0:
-        return seconds
-    estimate = mean.get(seconds)
-    return min(max(seconds, estimate / OUTLIER_RATIO), estimate * OUTLIER_RATIO)
-
     def block_seconds(self, size: int) -> float | None:
         """Estimated seconds of a target pass over ``size`` tokens (``None`` before any measurement)."""
         known = sorted((s, m.get(0.0)) for s, m in self.blocks.items())
@@ -120,6 +111,15 @@ def clipped(seconds: float, mean: DecayedMean) -> float:
         (s0, t0), (s1, t1) = (known[0], known[1]) if size < known[0][0] else (known[-2], known[-1])
         slope = max(0.0, (t1 - t0) / (s1 - s0))
         return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
+
+
+def clipped(seconds: float, mean: DecayedMean) -> float:
+    """A new timing, at most `OUTLIER_RATIO` times away from the estimate so far: on a shared machine one slow (or
+    fast) phase is noise, and a single outlier would otherwise move the choice for many rounds."""
+    if mean.weight <= 0:
+        return seconds
+    estimate = mean.get(seconds)
+    return min(max(seconds, estimate / OUTLIER_RATIO), estimate * OUTLIER_RATIO)
 
 
 class Exploration:
