@@ -47,7 +47,8 @@ def prepare_for_rollback(cache: Cache | None, argument: str) -> None:
         cache: the cache a model will use.
         argument: the name the user knows this cache by, for the error message.
     """
-    is_static = isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)
+    is_static = (isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)
+                 and not cache.offloading)
     if not is_static and (not isinstance(cache, DynamicCache) or not cache.is_croppable):
         layer_types = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
         raise ValueError(

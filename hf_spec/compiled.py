@@ -10,7 +10,7 @@ The padded positions are written into the cache like any fed token and cut off r
 cache's crop moves its write position back), so no query ever sees them (`hf_spec.caches`); their logits and hidden
 states are dropped. The processor chain, acceptance and sampling stay outside the graphs, adding no host sync.
 
-`compiled_passes` counts the graphs compiled per model (`CompiledForward.num_graphs`), so a test can check that a
+`CompiledForward.num_graphs` counts the graphs compiled per model, so a test can check that a
 steady-state call compiles nothing new. Compiled functions are kept per model (weakly) and reused across calls with
 the same config.
 """
@@ -65,9 +65,12 @@ def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> CompiledF
 
 
 @contextlib.contextmanager
-def compiling(models: list[torch.nn.Module], config: CompileConfig | None) -> Iterator[dict[int, CompiledForward]]:
-    """Within the block, `hf_spec.forward` runs these models' passes compiled (nothing when ``config`` is None)."""
-    active = {} if config is None else {id(model): compiled_forward(model, config) for model in models}
+def compiling(models: list[torch.nn.Module | None],
+              config: CompileConfig | None) -> Iterator[dict[int, CompiledForward]]:
+    """Within the block, `hf_spec.forward` runs these models' passes compiled (nothing when ``config`` is None; a
+    ``None`` model, a drafter without one, is skipped)."""
+    active = {} if config is None else {id(model): compiled_forward(model, config) for model in models
+                                        if model is not None}
     token = _ACTIVE.set(active or None)
     try:
         yield active

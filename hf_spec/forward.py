@@ -50,8 +50,9 @@ def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
     with timed_forward(model, num_fed):  # counted only in a profiled call
         compiled, width = active_forward(model), padded_width(num_fed)  # a static cache's chain pass: compiled
         mask = inputs.get("attention_mask")
-        if compiled is not None and width is not None and (mask is None or mask.dim() == 2):  # not a tree's pass
-            cached = cache_length(inputs["cache"])
+        cached = cache_length(inputs["cache"]) if compiled is not None else 0
+        if (compiled is not None and width is not None and (mask is None or mask.dim() == 2)  # not a tree's pass
+                and cached + width <= (static_length(inputs["cache"]) or 0)):  # a static cache the padding fits in
             output = compiled.function(**pad_inputs(inputs, width), use_cache=True, **extra)
             crop_to(inputs["cache"], cached + num_fed)  # the padding's positions: written, then cut off
             logits, hidden = strip_padding(output.logits, getattr(output, "hidden_states", None), num_fed)

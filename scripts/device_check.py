@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import hf_spec
-import hf_spec.rounds
 import hf_spec.rejection
+import hf_spec.rounds
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import machine_info
 from hf_spec.drafting.costs import measure_costs, synchronize

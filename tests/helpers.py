@@ -15,6 +15,7 @@ import string
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 
@@ -139,6 +140,26 @@ CASES = {
         [BanSuccessorOfLastToken()],
     ),
 }
+
+
+MIXED_PROMPTS = (torch.tensor([[1, 3, 2]]), torch.tensor([[2, 0, 1, 1, 3]]))
+MIXED_SETTINGS = {"temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
+
+
+def sample_mixed_prompts(target, draft, seed: int, **extra) -> list[np.ndarray]:
+    """One left-padded batch whose rows alternate between the two prompts (every row's neighbours have the other
+    prompt); the samples of each prompt."""
+    width = max(prompt.shape[1] for prompt in MIXED_PROMPTS)
+    rows = [F.pad(prompt, (width - prompt.shape[1], 0)) for prompt in MIXED_PROMPTS]
+    masks = [F.pad(torch.ones_like(prompt), (width - prompt.shape[1], 0)) for prompt in MIXED_PROMPTS]
+    half = NUM_SAMPLES // 2
+    input_ids = torch.stack([row[0] for row in rows]).repeat(half, 1)  # [2 * half, width]: prompt 0, 1, 0, 1, ...
+    output = target.generate(
+        input_ids, attention_mask=torch.stack([mask[0] for mask in masks]).repeat(half, 1), assistant_model=draft,
+        do_sample=True, num_assistant_tokens=3, generator=torch.Generator().manual_seed(seed), pad_token_id=0,
+        logits_processor=LogitsProcessorList([BanSuccessorOfLastToken()]), **with_length(MIXED_SETTINGS), **extra,
+    )[:, width:].numpy()
+    return [output[0::2], output[1::2]]
 
 
 def resample_from_p(draft_ids, draft_probs, target_probs, generator):

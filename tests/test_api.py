@@ -114,7 +114,7 @@ BAD_INPUTS = [
     ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences.*2"),
     ({"use_cache": False}, "use_cache"),
     ({"output_attentions": True}, "output_attentions"),
-    ({"cache_implementation": "static"}, "StaticCache"),
+    ({"cache_implementation": "offloaded"}, "cache_implementation='offloaded'"),
     ({"generator": 42}, "generator.*int"),
     ({"guidance_scale": 1.5}, "`guidance_scale` is not supported.*keeps a cache.*1.5"),
 ]
@@ -136,9 +136,9 @@ def test_bad_draft_and_cache_objects_are_refused(target, close_draft):
             PROMPT.repeat(2, 1), assistant_model=close_draft, max_new_tokens=5, pad_token_id=0,
             streamer=type("Recorder", (BaseStreamer,), {"put": lambda self, value: None})(),
         )
-    static = StaticCache(config=target.config, max_cache_len=64)
-    with pytest.raises(ValueError, match="StaticCache"):
-        target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=5, cache=static)
+    offloaded = StaticCache(config=target.config, max_cache_len=64, offloading=True)
+    with pytest.raises(ValueError, match="`cache` uses StaticCache.*cannot be cropped back exactly"):
+        target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=5, cache=offloaded)
     with pytest.raises(ValueError, match="generator"):
         target.generate(PROMPT, max_new_tokens=5, generator=torch.Generator())
 

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w+)\n(.*?)^```\n(<!-- not run: (.*?) -->)?", re.S | re.M)
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```\n(<!-- not run: (.*?) -->)?", re.DOTALL | re.MULTILINE)
 
 
 def blocks(page: Path) -> list[tuple[str, str, str | None]]:

@@ -3,20 +3,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import (
     CASES,
-    NUM_SAMPLES,
+    MIXED_PROMPTS,
+    MIXED_SETTINGS,
     BanSuccessorOfLastToken,
     exact_law,
     resample_from_p,
+    sample_mixed_prompts,
     sample_speculative,
-    with_length,
 )
-from transformers import LogitsProcessorList
 
 import hf_spec.rejection
 import hf_spec.rounds
@@ -38,26 +36,6 @@ def test_separate_calls_sample_the_target_law(small_target, small_draft, case):
     samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=7, as_rows=False)
     result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
     assert result.is_consistent, result
-
-
-MIXED_PROMPTS = (torch.tensor([[1, 3, 2]]), torch.tensor([[2, 0, 1, 1, 3]]))
-MIXED_SETTINGS = {"temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
-
-
-def sample_mixed_prompts(target, draft, seed: int) -> list[np.ndarray]:
-    """One left-padded batch whose rows alternate between the two prompts (every row's neighbours have the other
-    prompt); the samples of each prompt."""
-    width = max(prompt.shape[1] for prompt in MIXED_PROMPTS)
-    rows = [F.pad(prompt, (width - prompt.shape[1], 0)) for prompt in MIXED_PROMPTS]
-    masks = [F.pad(torch.ones_like(prompt), (width - prompt.shape[1], 0)) for prompt in MIXED_PROMPTS]
-    half = NUM_SAMPLES // 2
-    input_ids = torch.stack([row[0] for row in rows]).repeat(half, 1)  # [2 * half, width]: prompt 0, 1, 0, 1, ...
-    output = target.generate(
-        input_ids, attention_mask=torch.stack([mask[0] for mask in masks]).repeat(half, 1), assistant_model=draft,
-        do_sample=True, num_assistant_tokens=3, generator=torch.Generator().manual_seed(seed), pad_token_id=0,
-        logits_processor=LogitsProcessorList([BanSuccessorOfLastToken()]), **with_length(MIXED_SETTINGS),
-    )[:, width:].numpy()
-    return [output[0::2], output[1::2]]
 
 
 def test_left_padded_rows_with_different_prompts_sample_their_own_laws(small_target, small_draft):

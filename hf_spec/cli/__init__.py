@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, option, model_name(getattr(args, option)))
     try:
         return args.run(args)
-    except Exception as error:  # noqa: BLE001 (the one place that turns any failure into one line)
+    except Exception as error:
         if args.debug:
             raise
         kind = "" if isinstance(error, (ValueError, TypeError, ImportError, OSError)) else f"{type(error).__name__}: "

@@ -1,0 +1,176 @@
+"""Static caches (``cache_implementation="static"``) and compiled passes (``compile_config``): greedy output equals
+target-only decoding (ragged batches, trees, prompt lookup, a returned cache that continues), sampling keeps the
+target's law, a steady-state call compiles no new graph, and a cache too small or a setting we cannot honour is
+refused. Each check has a negative control that must fail."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    CASES,
+    MIXED_PROMPTS,
+    MIXED_SETTINGS,
+    PAD,
+    PROMPTS,
+    BanSuccessorOfLastToken,
+    exact_law,
+    left_padded,
+    make_noisy_copy,
+    make_tiny_model,
+    sample_mixed_prompts,
+    sample_speculative,
+)
+from transformers import CompileConfig, StaticCache
+
+import hf_spec.compiled
+import hf_spec.forward
+from hf_spec import speculative
+from hf_spec.caches import static_length
+from hf_spec.evaluation.exactness import fit_sequences
+
+DRAFTING = {
+    "chain k3": {"num_assistant_tokens": 3},
+    "auto k": {"num_assistant_tokens": "auto"},
+    "tree": {"num_tree_nodes": 8},
+    "lookup, then the draft": {"prompt_lookup_num_tokens": 4},
+}
+EAGER_COMPILE = CompileConfig(backend="eager", fullgraph=False, dynamic=False)  # dynamo's graphs, no code generation
+
+
+@pytest.fixture(scope="module")
+def model():
+    return speculative(make_tiny_model(seed=0, vocab_size=256))
+
+
+@pytest.fixture(scope="module")
+def assistant(model):
+    return make_noisy_copy(model, seed=3, noise=0.3)
+
+
+def greedy(model, input_ids, attention_mask=None, **kwargs):
+    return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False,
+                          pad_token_id=PAD, **kwargs)
+
+
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+def test_static_cache_greedy_equals_target_only(model, assistant, drafting):
+    batches = ([left_padded([prompt]) for prompt in PROMPTS] if "num_tree_nodes" in DRAFTING[drafting]
+               else [left_padded(PROMPTS)])  # trees take one row; chains a ragged batch
+    for input_ids, mask in batches:
+        expected = greedy(model, input_ids, mask)
+        output = greedy(model, input_ids, mask, assistant_model=assistant, cache_implementation="static",
+                        return_dict_in_generate=True, **DRAFTING[drafting])
+        assert torch.equal(output.sequences, expected)
+        if drafting != "auto k":  # auto k may time the tiny draft as not paying, and draft nothing
+            assert output.speculative_stats.num_accepted > 0
+
+
+def test_a_returned_static_cache_continues_exactly(model, assistant):
+    prompt = torch.tensor([PROMPTS[1]])
+    expected = greedy(model, prompt)
+    output = greedy(model, prompt, assistant_model=assistant, cache_implementation="static", max_cache_len=64,
+                    return_dict_in_generate=True)
+    assert torch.equal(output.sequences, expected)
+    assert isinstance(output.cache, StaticCache) and static_length(output.cache) == 64  # the user's size, honoured
+    assert int(output.cache.get_seq_length()) == expected.shape[1] - 1
+    more = model.generate(output.sequences, cache=output.cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(more, model.generate(expected, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("case", ["combined_chain_k4", "min_new_tokens_suppress_tokens"])
+def test_static_cache_samples_the_target_law(small_target, small_draft, case):
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=31,
+                                 cache_implementation="static")
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+def _mask_one_slot_late(original):
+    """Broken: a static cache's 2D mask shifted one slot to the right of the cache's slots (off by one)."""
+    def missing_inputs(model, cache, sequence_ids, attention_mask, num_logits):
+        inputs = original(model, cache, sequence_ids, attention_mask, num_logits)
+        if static_length(cache) is not None:
+            inputs["attention_mask"] = F.pad(inputs["attention_mask"][:, :-1], (1, 0))
+        return inputs
+    return missing_inputs
+
+
+def mixed_prompt_fits(target, draft, seed: int) -> list:
+    """Rows with two prompts of different lengths, left-padded, on a static cache: the fit of each prompt's rows."""
+    return [fit_sequences(samples, exact_law(target, MIXED_SETTINGS, [BanSuccessorOfLastToken()], prompt))
+            for samples, prompt in zip(sample_mixed_prompts(target, draft, seed, cache_implementation="static"),
+                                       MIXED_PROMPTS)]
+
+
+def test_left_padded_rows_on_a_static_cache_sample_their_own_laws(small_target, small_draft):
+    results = mixed_prompt_fits(small_target, small_draft, seed=32)
+    assert all(result.is_consistent for result in results), results
+
+
+def test_negative_control_a_static_mask_off_the_cache_slots_is_caught(small_target, small_draft, monkeypatch):
+    monkeypatch.setattr(hf_spec.forward, "_missing_inputs", _mask_one_slot_late(hf_spec.forward._missing_inputs))
+    k, settings, user_processors = CASES["temperature_1"]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=31,
+                                 cache_implementation="static")
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert not result.is_consistent, result
+
+
+def graphs(models, config) -> int:
+    return sum(hf_spec.compiled.compiled_forward(m, config).num_graphs for m in models)
+
+
+@pytest.mark.parametrize("drafting", ["chain k3", "lookup, then the draft"])
+def test_compiled_passes_equal_target_only_and_compile_once(model, assistant, drafting):
+    torch._dynamo.reset()
+    input_ids, mask = left_padded(PROMPTS[:2])
+    expected = greedy(model, input_ids, mask)
+    settings = {"assistant_model": assistant, "cache_implementation": "static", "compile_config": EAGER_COMPILE,
+                **DRAFTING[drafting]}
+    assert torch.equal(greedy(model, input_ids, mask, **settings), expected)
+    first = graphs([model, assistant], EAGER_COMPILE)
+    assert first > 0  # the passes did run compiled
+    for _ in range(2):  # the same shapes again: every graph is reused
+        assert torch.equal(greedy(model, input_ids, mask, **settings), expected)
+    assert graphs([model, assistant], EAGER_COMPILE) == first
+    assert torch.equal(greedy(model, input_ids, mask, **settings, disable_compile=True), expected)
+
+
+def _padding_in_front(inputs: dict, width: int) -> dict:
+    """Broken: the padding tokens go before the fed ones, so the crop afterwards keeps the padding's entries."""
+    extra = width - inputs["input_ids"].shape[1]
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    return {**inputs, "input_ids": torch.cat([ids[:, :1].expand(-1, extra), ids], dim=1),
+            "position_ids": torch.cat([positions[:, :1].expand(-1, extra), positions], dim=1), "logits_to_keep": 0}
+
+
+def test_negative_control_padding_in_front_of_a_compiled_pass_is_caught(model, assistant, monkeypatch):
+    monkeypatch.setattr(hf_spec.forward, "pad_inputs", _padding_in_front)
+    prompt = torch.tensor([PROMPTS[1]])
+    output = greedy(model, prompt, assistant_model=assistant, cache_implementation="static",
+                    compile_config=EAGER_COMPILE)
+    assert not torch.equal(output, greedy(model, prompt))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_inductor_compiled_passes_equal_target_only():
+    target = speculative(make_tiny_model(seed=4, vocab_size=128, num_layers=1))
+    config = CompileConfig(fullgraph=False, dynamic=False)  # transformers' default backend, inductor
+    prompt = torch.tensor([[5, 9, 5, 9, 7, 5, 9, 5]])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    output = target.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
+                             cache_implementation="static", compile_config=config)
+    assert torch.equal(output, expected) and graphs([target], config) > 0
+
+
+def test_a_filled_static_cache_too_small_is_refused_naming_max_cache_len(model, assistant):
+    prompt = torch.tensor([PROMPTS[1]])
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    first = model.generate(prompt, cache=cache, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="max_cache_len="):
+        model.generate(first, cache=cache, assistant_model=assistant, max_new_tokens=3, do_sample=False)
