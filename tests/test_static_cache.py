@@ -27,6 +27,7 @@ from helpers import (
 from transformers import CompileConfig, StaticCache
 
 import hf_spec.compiled
+import hf_spec.decoding
 import hf_spec.forward
 from hf_spec import speculative
 from hf_spec.caches import static_length
@@ -174,3 +175,26 @@ def test_a_filled_static_cache_too_small_is_refused_naming_max_cache_len(model, 
     first = model.generate(prompt, cache=cache, max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match="max_cache_len="):
         model.generate(first, cache=cache, assistant_model=assistant, max_new_tokens=3, do_sample=False)
+
+
+def _poisoning(original, offset: int):
+    """After every rollback of a static cache, its slots from ``length + offset`` on are filled with large finite
+    values: ``offset=0`` poisons only the stale entries past the write position (which no later query may see),
+    ``offset=-1`` the last kept one too (a negative control: the committed text, which queries do see)."""
+    def crop_then_poison(cache, length):
+        original(cache, length)
+        if static_length(cache) is not None:
+            for layer in cache.layers:
+                layer.keys[:, :, length + offset:] = 1e3
+                layer.values[:, :, length + offset:] = -1e3
+    return crop_then_poison
+
+
+@pytest.mark.parametrize("offset, is_exact", [(0, True), (-1, False)])
+def test_stale_entries_past_the_write_position_never_reach_a_query(model, assistant, monkeypatch, offset, is_exact):
+    monkeypatch.setattr(hf_spec.decoding, "crop_to", _poisoning(hf_spec.decoding.crop_to, offset))
+    input_ids, mask = left_padded(PROMPTS)
+    output = greedy(model, input_ids, mask, assistant_model=assistant, cache_implementation="static",
+                    num_assistant_tokens=4, return_dict_in_generate=True)
+    assert output.speculative_stats.num_draft_tokens > output.speculative_stats.num_accepted  # rollbacks happened
+    assert torch.equal(output.sequences, greedy(model, input_ids, mask)) == is_exact
