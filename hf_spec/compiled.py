@@ -10,6 +10,13 @@ The padded positions are written into the cache like any fed token and cut off r
 cache's crop moves its write position back), so no query ever sees them (`hf_spec.caches`); their logits and hidden
 states are dropped. The processor chain, acceptance and sampling stay outside the graphs, adding no host sync.
 
+Dynamo's per-function recompile limit is raised to `RECOMPILE_LIMIT` (a process-wide cap, raised once, never
+lowered): past it dynamo would run further shapes eagerly without a word.
+
+A compiled pass calls the model's ``forward``, not the module: its forward pre-hooks are called before it, outside
+the graph (`run_pre_hooks`; what they return is not used), and a model with forward hooks is refused
+(`check_hooks`): they would not see the pass.
+
 `CompiledForward.num_graphs` counts the graphs compiled per model, so a test can check that a
 steady-state call compiles nothing new. Compiled functions are kept per model (weakly) and reused across calls with
 the same config.
@@ -29,6 +36,9 @@ from transformers.generation.configuration_utils import CompileConfig
 
 #: Widths a compiled pass is padded to; wider passes (a prompt's prefill) run eagerly.
 WIDTHS = (1, 2, 4, 8, 16, 32)
+#: Graphs dynamo may compile for one code object before it falls back to eager: a target and a draft of one
+#: architecture share their ``forward``'s, and each has a graph per width and batch size (dynamo's default is 8).
+RECOMPILE_LIMIT = 64
 
 _ACTIVE: contextvars.ContextVar[dict[int, CompiledForward] | None] = contextvars.ContextVar(
     "hf_spec_compiled", default=None)
@@ -58,6 +68,8 @@ def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> CompiledF
             compiled.num_graphs += 1
             return backend(graph, example_inputs)
 
+        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:  # raised once per process, never lowered
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         compiled.function = torch.compile(model.forward, backend=counting_backend, fullgraph=config.fullgraph,
                                           dynamic=config.dynamic)
         per_model[key] = compiled
@@ -69,13 +81,34 @@ def compiling(models: list[torch.nn.Module | None],
               config: CompileConfig | None) -> Iterator[dict[int, CompiledForward]]:
     """Within the block, `hf_spec.forward` runs these models' passes compiled (nothing when ``config`` is None; a
     ``None`` model, a drafter without one, is skipped)."""
-    active = {} if config is None else {id(model): compiled_forward(model, config) for model in models
-                                        if model is not None}
+    models = [model for model in models if model is not None]
+    if config is not None:
+        for model in models:
+            check_hooks(model)
+    active = {} if config is None else {id(model): compiled_forward(model, config) for model in models}
     token = _ACTIVE.set(active or None)
     try:
         yield active
     finally:
         _ACTIVE.reset(token)
+
+
+def check_hooks(model: torch.nn.Module) -> None:
+    """Refuse a model with forward hooks: a compiled pass runs its ``forward`` and they would not be called."""
+    if model._forward_hooks:
+        raise ValueError(f"`compile_config` runs {type(model).__name__}'s forward compiled, which its "
+                         f"{len(model._forward_hooks)} forward hook(s) would not see; remove them (forward pre-hooks "
+                         "are called) or drop `compile_config`.")
+
+
+def run_pre_hooks(model: torch.nn.Module, inputs: dict) -> None:
+    """Call the model's forward pre-hooks before a compiled pass, as ``model(**inputs)`` would (no positional
+    arguments; what they return is not used)."""
+    for key, hook in tuple(model._forward_pre_hooks.items()):
+        if key in model._forward_pre_hooks_with_kwargs:
+            hook(model, (), inputs)
+        else:
+            hook(model, ())
 
 
 def active_forward(model: torch.nn.Module) -> CompiledForward | None:

@@ -10,6 +10,7 @@ from helpers import make_tiny_model
 
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import ForwardCounter
+from hf_spec.bench.methods import method_spec
 from hf_spec.bench.runner import run_benchmark
 from hf_spec.bench.workloads import random_workloads, text_workloads
 from hf_spec.cli import main
@@ -233,3 +234,20 @@ def test_the_library_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
         assert matplotlib.get_backend() == "svg" and plt.get_fignums() == open_figures
     finally:
         matplotlib.use(previous)
+
+
+def test_static_and_compiled_methods(tmp_path):
+    spec = method_spec("hf_spec_k3_compiled", 5)
+    assert spec.is_compiled and spec.generate_kwargs == {"num_assistant_tokens": 3, "cache_implementation": "static"}
+    assert not method_spec("target_only_static", 5).is_compiled
+    with pytest.raises(ValueError, match="transformers_static.*refuses static caches"):
+        method_spec("transformers_static", 5)
+    argv = ["bench", *TINY, "--prompts", "1", "--max-new-tokens", "8", "--threads", "1", "--no-progress",
+            "--workloads", "code", "--settings", "greedy", "--methods", "hf_spec_static", "target_only_static",
+            "--output", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    rows = {row["method"]: row for row in report["results"]}
+    assert rows["hf_spec_static"]["identical_to_target_only"] == 1.0
+    assert rows["target_only_static"]["tokens_per_target_pass"] == 1.0
+    assert set(report["config"]["warmup_seconds"]) >= {"hf_spec_static", "target_only_static"}

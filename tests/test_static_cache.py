@@ -198,3 +198,23 @@ def test_stale_entries_past_the_write_position_never_reach_a_query(model, assist
                     num_assistant_tokens=4, return_dict_in_generate=True)
     assert output.speculative_stats.num_draft_tokens > output.speculative_stats.num_accepted  # rollbacks happened
     assert torch.equal(output.sequences, greedy(model, input_ids, mask)) == is_exact
+
+
+def test_compiled_passes_call_forward_pre_hooks_and_refuse_forward_hooks(model, assistant):
+    calls = []
+    prompt = torch.tensor([PROMPTS[1]])
+    settings = {"assistant_model": assistant, "cache_implementation": "static", "num_assistant_tokens": 3}
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        greedy(model, prompt, **settings)
+        eager_calls, calls[:] = len(calls), []
+        greedy(model, prompt, **settings, compile_config=EAGER_COMPILE)
+        assert len(calls) == eager_calls > 0  # every target pass, compiled or not
+    finally:
+        handle.remove()
+    handle = model.register_forward_hook(lambda module, args, output: None)
+    try:
+        with pytest.raises(ValueError, match="compile_config.*forward hook"):
+            greedy(model, prompt, **settings, compile_config=EAGER_COMPILE)
+    finally:
+        handle.remove()

@@ -16,7 +16,11 @@
   (``num_tree_nodes=N``); ``hf_spec_suffix<N>``: suffix matching, a tree of at most N continuation tokens, at most k
   deep (``prompt_lookup_num_tokens=k, num_tree_nodes=N``); ``hf_spec_tree_auto`` and ``hf_spec_suffix_auto``: the
   budget and branching chosen every round (``num_tree_nodes="auto"``; the draft's tree at most 10 deep, suffix
-  matching's at most k).
+  matching's at most k);
+- ``<method>_static``: any of these on a static cache (``cache_implementation="static"``); ``<method>_compiled``: on a
+  static cache with compiled passes (``compile_config``: inductor, ``fullgraph=False``, ``dynamic=False``, on every
+  device; the warm-up call then runs the full length, so that the graphs compile before the timed calls and its
+  time, in the report's ``warmup_seconds``, is the compile time).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import dataclasses
 import re
 from collections.abc import Iterator
 
-from transformers import PreTrainedModel
+from transformers import CompileConfig, PreTrainedModel
 
 from hf_spec.drafting.base import DraftSource
 from hf_spec.mixin import without_speculation
@@ -43,6 +47,8 @@ SETTINGS = {
 }
 _FIXED_K = re.compile(r"hf_spec_k([1-9][0-9]*)")
 _TREE = re.compile(r"hf_spec_(tree|suffix)([1-9][0-9]*|_auto)")
+_CACHE = re.compile(r"(.+)_(static|compiled)")
+
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
@@ -53,11 +59,19 @@ class MethodSpec:
     generate_kwargs: dict  # besides assistant_model
     assistant_settings: dict | None = None  # transformers reads these from the draft's generation_config
     fixed_num_draft_tokens: int | None = None  # drafts exactly k tokens a round with a draft model: the formula applies
+    is_compiled: bool = False  # on a static cache, passes compiled (`compile_config`)
 
 
 def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     """The `MethodSpec` of a method name (see the module docstring); ``num_draft_tokens`` is k."""
     k = num_draft_tokens
+    cache = _CACHE.fullmatch(method)
+    if cache:
+        base = method_spec(cache.group(1), k)
+        if base.uses_draft and not base.is_ours:
+            raise ValueError(f"Method {method!r}: transformers' assisted generation refuses static caches.")
+        return dataclasses.replace(base, generate_kwargs={**base.generate_kwargs, "cache_implementation": "static"},
+                                   is_compiled=cache.group(2) == "compiled")
     fixed = _FIXED_K.fullmatch(method)
     if fixed or method == "hf_spec":
         n = int(fixed.group(1)) if fixed else k
@@ -88,7 +102,8 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     }
     if method not in specs:
         raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>', "
-                         "'hf_spec_suffix<N>', 'hf_spec_tree_auto' or 'hf_spec_suffix_auto'.")
+                         "'hf_spec_suffix<N>', 'hf_spec_tree_auto' or 'hf_spec_suffix_auto', each optionally with "
+                         "'_static' or '_compiled'.")
     return specs[method]
 
 
@@ -110,6 +125,8 @@ def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs
     """``(sequence [total], hf_spec stats or None)`` of one batch-1 call; ``profile``: hf_spec's calls fill
     ``stats.profile`` (`hf_spec.profiling`)."""
     kwargs = {**inputs, **generate_kwargs, **spec.generate_kwargs}
+    if spec.is_compiled:
+        kwargs["compile_config"] = bench_compile_config()
     if spec.uses_draft:
         kwargs["assistant_model"] = draft
     if spec.is_ours:
@@ -118,6 +135,14 @@ def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs
         return output.sequences[0], getattr(output, "speculative_stats", None)
     with without_speculation(target), assistant_config(draft, **(spec.assistant_settings or {})):
         return target.generate(**kwargs)[0], None
+
+
+def bench_compile_config() -> CompileConfig:
+    """What ``<method>_compiled`` compiles with: inductor's default mode, graphs that may break, static shapes; on
+    every device (transformers' own generate compiles on a CPU only when told to)."""
+    config = CompileConfig(fullgraph=False, dynamic=False)
+    config._compile_all_devices = True
+    return config
 
 
 def runs_on(spec: MethodSpec, variant) -> bool:

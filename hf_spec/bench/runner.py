@@ -108,8 +108,12 @@ def run_benchmark(
     plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
 
     first = next(iter(workloads.values()))[0]
-    for method, spec in plan.specs.items():  # warm-up
-        generate_once(spec, *plan.pair(method), first, {**plan.generate_kwargs, "max_new_tokens": 4})
+    warmup_seconds = {}
+    for method, spec in plan.specs.items():  # warm-up; a compiled method's runs the full length (it compiles)
+        started = time.perf_counter()
+        generate_once(spec, *plan.pair(method), first,
+                      {**plan.generate_kwargs, "max_new_tokens": max_new_tokens if spec.is_compiled else 4})
+        warmup_seconds[method] = time.perf_counter() - started
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
     costs = {name + suffix: measure_costs(plan.pairs[suffix][0], make_drafter(plan.pairs[suffix][1]),
@@ -137,6 +141,7 @@ def run_benchmark(
             "variants": {label: {"target": _describe(plan.pairs[f"@{label}"][0], target),
                                  "draft": _describe(plan.pairs[f"@{label}"][1], draft)} for label in variants or {}},
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in plan.specs.items()},
+            "warmup_seconds": warmup_seconds,
         },
         "weights_bytes": weights,
         "cost_table": dataclasses.asdict(cost_table),
