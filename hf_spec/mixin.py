@@ -132,7 +132,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
         refuse_unsupported(self, generation_config, generation_mode_kwargs, call.options.settings)
         validate_sampling_settings(generation_config)
-        call.rounds = plan_call(draft, generation_config, call.options)
+        call.rounds = plan_call(draft, generation_config, call.options, (generation_mode_kwargs.get("tokenizer"),
+                                                                         generation_mode_kwargs.get("assistant_tokenizer")))
         # transformers' own assistant checks (tokenizer rules of universal assisted decoding) do not apply here.
         others = {key: value for key, value in generation_mode_kwargs.items() if key != "assistant_model"}
         return super()._validate_generation_mode(generation_mode, generation_config, others)

@@ -10,6 +10,7 @@
 | a model | unset | `ModelDrafter` | `ModelTreeDrafter` |
 | a model | n | `LookupThenModel` | refused |
 | none | n | `PromptLookupDrafter` | `SuffixDrafter` |
+| a model, and an ``assistant_tokenizer`` of another vocabulary | refused | `CrossTokenizerDrafter` | refused |
 
 The sizer: k from ``num_assistant_tokens`` (an integer, ``"auto"`` or an `AutoDraftLength`) for a chain; a node
 budget from ``num_tree_nodes`` (an integer, ``"auto"`` or an `AutoTreeSize`) for a tree, ``num_assistant_tokens``
@@ -29,6 +30,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.drafting.base import Drafter, DraftSource
 from hf_spec.drafting.costs import probe_costs, probe_sizes
+from hf_spec.drafting.cross_tokenizer import CrossTokenizerDrafter
 from hf_spec.drafting.draft_length import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -45,6 +47,7 @@ from hf_spec.drafting.tree import TreeDrafter
 from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
 from hf_spec.rounds import ChainRounds, Rounds, TreeRounds
 from hf_spec.settings import ASSISTANT_SETTINGS
+from hf_spec.validation import is_other_vocabulary
 
 #: Suffix matching looks for longer matches than prompt lookup's default 2: they choose better continuations.
 SUFFIX_NGRAM_SIZE = 4
@@ -76,15 +79,21 @@ def user_settings(kwargs: dict, generation_config: GenerationConfig | None, targ
     return found
 
 
-def plan_call(assistant_model: Any, generation_config: GenerationConfig, options: CallOptions) -> Rounds:
-    """The round shape, drafter and sizer of a call; errors name the argument and its value."""
+def plan_call(assistant_model: Any, generation_config: GenerationConfig, options: CallOptions,
+              tokenizers: tuple[Any, Any] = (None, None)) -> Rounds:
+    """The round shape, drafter and sizer of a call; errors name the argument and its value. ``tokenizers``: the
+    call's ``(tokenizer, assistant_tokenizer)``."""
     lookup_tokens, ngram_size = resolve_prompt_lookup(generation_config)
     settings = options.settings
     num_assistant_tokens, num_tree_nodes = settings.get("num_assistant_tokens"), settings.get("num_tree_nodes")
     schedule = settings.get("num_assistant_tokens_schedule")
     threshold = check_threshold(settings.get("assistant_confidence_threshold"))
     is_tree = num_tree_nodes is not None
-    drafter = make_drafter(assistant_model, tree=is_tree, prompt_lookup_num_tokens=lookup_tokens, ngram_size=ngram_size)
+    if is_other_vocabulary(*tokenizers):
+        drafter = cross_tokenizer_drafter(assistant_model, tokenizers, is_tree, lookup_tokens)
+    else:
+        drafter = make_drafter(assistant_model, tree=is_tree, prompt_lookup_num_tokens=lookup_tokens,
+                               ngram_size=ngram_size)
     if is_tree:
         for name, value in (("num_assistant_tokens_schedule", schedule), ("assistant_confidence_threshold", threshold)):
             if value not in (None, "constant"):
@@ -120,6 +129,20 @@ def make_drafter(assistant_model: Any, *, tree: bool = False, prompt_lookup_num_
         raise ValueError("`num_tree_nodes` with both `assistant_model` and `prompt_lookup_num_tokens` is not "
                          "supported: pass one of them (the draft model's tree, or suffix matching).")
     return LookupThenModel(PromptLookupDrafter(max_ngram_size=ngram_size), ModelDrafter(assistant_model))
+
+
+def cross_tokenizer_drafter(assistant_model: Any, tokenizers: tuple[Any, Any], tree: bool,
+                            prompt_lookup_num_tokens: int | None) -> CrossTokenizerDrafter:
+    """A draft model with a vocabulary of its own: chains only, from the model alone."""
+    if not isinstance(assistant_model, PreTrainedModel) or isinstance(assistant_model, DraftSource):
+        raise ValueError(f"`assistant_tokenizer` with another vocabulary needs a draft model as `assistant_model`, "
+                         f"but it is a {type(assistant_model).__name__}: a drafter or draft head proposes the "
+                         "target's ids itself; drop `assistant_tokenizer`.")
+    for name, value in (("num_tree_nodes", tree or None), ("prompt_lookup_num_tokens", prompt_lookup_num_tokens)):
+        if value is not None:
+            raise ValueError(f"`{name}` with a draft of another tokenizer (`assistant_tokenizer`) is not supported: "
+                             "its drafts are chains from the draft model alone.")
+    return CrossTokenizerDrafter(assistant_model, *tokenizers)
 
 
 def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) -> None:

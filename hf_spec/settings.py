@@ -117,8 +117,10 @@ SETTINGS: dict[str, Treatment] = {
     "assistant_ensemble_weight": Treatment(REFUSED, "mixes the draft's law into the output: not lossless", _not(
         None, "`assistant_ensemble_weight` mixes the draft's law into the output, which is not exact; hf_spec's "
         "speculative decoding is lossless. Leave it unset.")),
-    **{name: Treatment(WARNED, "used by transformers only between different tokenizers", _not(
-        None, f"`{name}` only matters between a target and a draft with different tokenizers; it is not used here."))
+    **{name: Treatment(WARNED, "transformers' window for re-tokenizing between tokenizers; hf_spec's draft of "
+                       "another tokenizer re-reads each row's whole committed text", _not(
+        None, f"`{name}` is not used: a draft with another tokenizer re-tokenizes each row's whole committed text "
+        "every round (hf_spec.drafting.cross_tokenizer)."))
        for name in ("assistant_lookbehind", "target_lookbehind")},
     "prompt_lookup_num_tokens": Treatment(HONOURED, "exact prompt lookup, greedy and sampled, in batches"),
     "max_matching_ngram_size": Treatment(HONOURED, "the longest n-gram prompt lookup matches (default 2)"),

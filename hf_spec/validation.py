@@ -58,23 +58,26 @@ def _validate_sampling_settings(generation_config: GenerationConfig) -> None:
 
 
 def _validate_tokenizers(generation_mode_kwargs: dict[str, Any]) -> None:
-    tokenizer = generation_mode_kwargs.get("tokenizer")
-    assistant_tokenizer = generation_mode_kwargs.get("assistant_tokenizer")
-    if assistant_tokenizer is None:
-        return
-    if tokenizer is None:
+    """``assistant_tokenizer`` needs ``tokenizer``: the draft reads the target's text (`hf_spec.drafting
+    .cross_tokenizer`)."""
+    has_draft_tokenizer = generation_mode_kwargs.get("assistant_tokenizer") is not None
+    if has_draft_tokenizer and generation_mode_kwargs.get("tokenizer") is None:
         raise ValueError("`assistant_tokenizer` was given without `tokenizer`; pass both or neither.")
-    check_same_vocabulary(tokenizer, assistant_tokenizer)
 
 
 def check_same_vocabulary(tokenizer: Any, assistant_tokenizer: Any) -> None:
-    """Refuse a draft tokenizer whose vocabulary differs from the target's."""
-    if tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
+    """Refuse a draft tokenizer whose vocabulary differs from the target's, where a same-tokenizer draft is needed."""
+    if is_other_vocabulary(tokenizer, assistant_tokenizer):
         raise ValueError(
             f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}, {len(assistant_tokenizer)} tokens) and "
-            f"`tokenizer` ({type(tokenizer).__name__}, {len(tokenizer)} tokens) have different vocabularies; exact "
-            "speculative decoding needs a draft that shares the target's tokenizer."
+            f"`tokenizer` ({type(tokenizer).__name__}, {len(tokenizer)} tokens) have different vocabularies; this "
+            "needs a draft that shares the target's tokenizer (generate() itself takes both: pass them there)."
         )
+
+
+def is_other_vocabulary(tokenizer: Any, assistant_tokenizer: Any) -> bool:
+    """Whether a draft tokenizer's vocabulary differs from the target's (``None``: the target's)."""
+    return assistant_tokenizer is not None and tokenizer.get_vocab() != assistant_tokenizer.get_vocab()
 
 
 def validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,142 @@
+"""Drafts with another tokenizer (`hf_spec.drafting.cross_tokenizer`): the target's law when sampling, with a
+negative control; greedy output equal to target-only in ragged batches; the draft's cached grid (holes included)
+reads exactly the re-tokenized text; the vocabulary map; refusals by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    CASES,
+    NUM_SAMPLES,
+    PAD,
+    PROMPT,
+    exact_law,
+    left_padded,
+    letters_tokenizer,
+    make_tiny_model,
+    sample_speculative,
+)
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+import hf_spec.drafting.cross_tokenizer as cross
+from hf_spec.drafting.cross_tokenizer import CrossTokenizerDrafter, to_target_space, vocabulary_map
+from hf_spec.evaluation.exactness import fit_sequences
+
+
+def merging_tokenizer(letters: str, merges: list[str]) -> PreTrainedTokenizerFast:
+    """A BPE over ``letters`` with the two-letter ``merges`` (so it tokenizes text differently from the target's
+    letters) and an unknown token for every other letter."""
+    vocab = {"<unk>": 0, **{letter: i + 1 for i, letter in enumerate(letters)}}
+    vocab.update({pair: len(vocab) + i for i, pair in enumerate(merges)})
+    backend = Tokenizer(models.BPE(vocab, [(pair[0], pair[1]) for pair in merges], unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """The statistical tests' target (letters a-d) and a draft over a, b, c, x with merges: d is never drafted."""
+    draft_tokenizer = merging_tokenizer("abcx", ["bc", "ca", "ab"])
+    return letters_tokenizer(4), draft_tokenizer, make_tiny_model(seed=21, vocab_size=len(draft_tokenizer),
+                                                                  num_layers=1, head_scale=2.0)
+
+
+def test_the_vocabulary_map_pairs_equal_texts():
+    target_ids, draft_ids = vocabulary_map(letters_tokenizer(4), merging_tokenizer("abcx", ["bc"]))
+    assert target_ids.tolist() == [0, 1, 2] and draft_ids.tolist() == [1, 2, 3]  # a, b, c; d has no draft token
+    scores = to_target_space(torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]), target_ids, draft_ids, 4)
+    assert scores.tolist() == [[1.0, 2.0, 3.0, float("-inf")]]
+    with pytest.raises(ValueError, match="share no token text"):
+        vocabulary_map(letters_tokenizer(4), merging_tokenizer("xyz", []))
+
+
+@pytest.mark.parametrize("case", ["temperature_1", "temperature_0.7_top_k", "combined_chain_k4"])
+def test_a_draft_with_another_tokenizer_samples_the_target_law(small_target, small_pair, case):
+    tokenizer, draft_tokenizer, draft = small_pair
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(small_target, draft, settings, user_processors, k, seed=41, tokenizer=tokenizer,
+                                 assistant_tokenizer=draft_tokenizer)
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+def test_negative_control_q_without_the_processor_chain_is_caught(small_target, small_pair, monkeypatch):
+    """Broken: the token is drawn from the processed law, but q is reported from the raw mapped logits."""
+    original = cross.draw_next
+
+    def raw_law_reported(scores, batch, draft_ids, context):
+        next_ids, probs, invalid = original(scores, batch, draft_ids, context)
+        return next_ids, scores.softmax(dim=-1), invalid
+
+    monkeypatch.setattr(cross, "draw_next", raw_law_reported)
+    tokenizer, draft_tokenizer, draft = small_pair
+    k, settings, user_processors = CASES["temperature_0.7_top_k"]
+    samples = sample_speculative(small_target, draft, settings, user_processors, k, seed=41, tokenizer=tokenizer,
+                                 assistant_tokenizer=draft_tokenizer)
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert not result.is_consistent, result
+
+
+def test_samples_are_drafted_and_accepted(small_target, small_pair):
+    tokenizer, draft_tokenizer, draft = small_pair
+    output = small_target.generate(PROMPT.expand(NUM_SAMPLES // 10, -1), assistant_model=draft, do_sample=True,
+                                   tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer, max_new_tokens=6,
+                                   num_assistant_tokens=3, pad_token_id=PAD, return_dict_in_generate=True)
+    stats = output.speculative_stats
+    assert stats.num_draft_tokens > stats.num_accepted > 0  # both acceptance and rejection paths ran
+
+
+@pytest.fixture(scope="module")
+def letters_pair(target):
+    """The tiny target (letters a-p) and a draft over a-l with merges: m-p are never drafted."""
+    draft_tokenizer = merging_tokenizer("abcdefghijkl", ["ab", "cd", "ef", "ba", "ca"])
+    return letters_tokenizer(16), draft_tokenizer, make_tiny_model(seed=22, vocab_size=len(draft_tokenizer))
+
+
+def test_greedy_output_equals_target_only_in_a_ragged_batch(target, letters_pair):
+    tokenizer, draft_tokenizer, draft = letters_pair
+    input_ids, mask = left_padded([[3, 1, 4], [1, 5, 9, 2, 6, 5, 3], [0, 1, 2, 3, 0, 1, 2, 3, 10, 11, 12]])
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    for k in (1, 3, "auto"):
+        output = target.generate(input_ids, attention_mask=mask, assistant_model=draft, tokenizer=tokenizer,
+                                 assistant_tokenizer=draft_tokenizer, num_assistant_tokens=k, max_new_tokens=24,
+                                 do_sample=False, pad_token_id=PAD, return_dict_in_generate=True)
+        assert torch.equal(output.sequences, expected), k
+
+
+def test_the_cached_grid_reads_exactly_the_retokenized_text(target, letters_pair, monkeypatch):
+    """Every draft pass's last logits equal a fresh pass of the draft over that row's tokens alone: holes and
+    positions in the draft's own grid change nothing it computes."""
+    tokenizer, draft_tokenizer, draft = letters_pair
+    original, checked = cross.forward_missing, []
+
+    def checked_forward(model, cache, ids, mask, num_logits):
+        logits, features = original(model, cache, ids, mask, num_logits)
+        for row in range(ids.shape[0]):
+            tokens = ids[row][mask[row].bool()][None]
+            assert torch.allclose(logits[row, -1], model(tokens).logits[0, -1].float(), atol=1e-4), row
+        checked.append(ids.shape[1])
+        return logits, features
+
+    monkeypatch.setattr(cross, "forward_missing", checked_forward)
+    input_ids, mask = left_padded([[3, 1, 4], [0, 1, 2, 3, 0, 1, 4, 5]])
+    target.generate(input_ids, attention_mask=mask, assistant_model=draft, tokenizer=tokenizer,
+                    assistant_tokenizer=draft_tokenizer, num_assistant_tokens=3, max_new_tokens=16, do_sample=True,
+                    pad_token_id=PAD, generator=torch.Generator().manual_seed(0))
+    assert len(checked) > 5
+
+
+def test_what_a_draft_of_another_tokenizer_cannot_do_is_refused_by_name(target, letters_pair):
+    tokenizer, draft_tokenizer, draft = letters_pair
+    kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer, "max_new_tokens": 4}
+    prompt = torch.tensor([[3, 1, 4]])
+    with pytest.raises(ValueError, match="`num_tree_nodes` with a draft of another tokenizer"):
+        target.generate(prompt, assistant_model=draft, num_tree_nodes=4, **kwargs)
+    with pytest.raises(ValueError, match="`prompt_lookup_num_tokens` with a draft of another tokenizer"):
+        target.generate(prompt, assistant_model=draft, prompt_lookup_num_tokens=2, **kwargs)
+    drafter = CrossTokenizerDrafter(draft, tokenizer, draft_tokenizer)
+    with pytest.raises(ValueError, match="needs a draft model as `assistant_model`.*CrossTokenizerDrafter"):
+        target.generate(prompt, assistant_model=drafter, **kwargs)
+    with pytest.raises(ValueError, match="`assistant_tokenizer` was given without `tokenizer`"):
+        target.generate(prompt, assistant_model=draft, assistant_tokenizer=draft_tokenizer, max_new_tokens=4)
