@@ -140,3 +140,18 @@ def test_what_a_draft_of_another_tokenizer_cannot_do_is_refused_by_name(target, 
         target.generate(prompt, assistant_model=drafter, **kwargs)
     with pytest.raises(ValueError, match="`assistant_tokenizer` was given without `tokenizer`"):
         target.generate(prompt, assistant_model=draft, assistant_tokenizer=draft_tokenizer, max_new_tokens=4)
+
+
+def test_the_benchmark_runs_a_draft_of_another_tokenizer_beside_transformers_universal_assisted_generation(
+        target, letters_pair):
+    from hf_spec.bench.runner import run_benchmark
+    from hf_spec.bench.workloads import random_workloads
+
+    tokenizer, draft_tokenizer, draft = letters_pair
+    report = run_benchmark(target, draft, random_workloads(("code",), 1, 16), methods=("target_only", "hf_spec",
+                           "transformers"), max_new_tokens=10, progress=False, tokenizer=tokenizer,
+                           draft_tokenizer=draft_tokenizer)
+    rows = {(row["setting"], row["method"]): row for row in report["results"]}
+    assert rows[("greedy", "hf_spec")]["identical_to_target_only"] == 1.0
+    assert rows[("greedy", "transformers")]["identical_to_target_only"] == 1.0  # transformers' UAG, greedy
+    assert rows[("sampled", "hf_spec")]["acceptance_rate"] is not None

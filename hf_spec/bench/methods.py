@@ -121,14 +121,16 @@ def assistant_config(draft: PreTrainedModel, **fields) -> Iterator[None]:
             setattr(config, name, value)
 
 
-def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs: dict, profile: bool = False):
+def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs: dict, profile: bool = False,
+                  draft_kwargs: dict | None = None):
     """``(sequence [total], hf_spec stats or None)`` of one batch-1 call; ``profile``: hf_spec's calls fill
-    ``stats.profile`` (`hf_spec.profiling`)."""
+    ``stats.profile`` (`hf_spec.profiling`); ``draft_kwargs``: what a call with the draft adds (a draft of another
+    tokenizer: ``tokenizer`` and ``assistant_tokenizer``)."""
     kwargs = {**inputs, **generate_kwargs, **spec.generate_kwargs}
     if spec.is_compiled:
         kwargs["compile_config"] = bench_compile_config()
     if spec.uses_draft:
-        kwargs["assistant_model"] = draft
+        kwargs.update(assistant_model=draft, **(draft_kwargs or {}))
     if spec.is_ours:
         with profile_rounds() if profile else contextlib.nullcontext():
             output = target.generate(**kwargs, return_dict_in_generate=True)

@@ -33,6 +33,7 @@ from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weig
 from hf_spec.bench.methods import DEFAULT_METHODS, SETTINGS, MethodSpec, generate_once, method_spec
 from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
+from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.evaluation.continuations import count_new_tokens, seeded
@@ -40,17 +41,17 @@ from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative
-from hf_spec.plan import make_drafter
+from hf_spec.plan import cross_tokenizer_drafter, make_drafter
 
 
 def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
-            profile: bool = False, **where):
+            profile: bool = False, draft_kwargs: dict | None = None, **where):
     """``(Run, new ids [new])`` of one timed call (``profile``: hf_spec's loop profiled, `hf_spec.profiling`)."""
     prompt_length = inputs["input_ids"].shape[1]
     with (ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls,
           PeakMemory(target.device) as memory):
         started = time.perf_counter()
-        sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs, profile)
+        sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs, profile, draft_kwargs)
         seconds = time.perf_counter() - started
     new_tokens = count_new_tokens(sequence[prompt_length:], eos_ids)
     if stats is not None:
@@ -83,6 +84,7 @@ def run_benchmark(
     variants: dict[str, PreTrainedModel | tuple[PreTrainedModel, PreTrainedModel]] | None = None,
     tokenizer=None,
     profile: bool | None = None,
+    draft_tokenizer=None,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
 
@@ -95,6 +97,9 @@ def run_benchmark(
         variants: label -> another target (same tokenizer) or ``(target, draft)`` pair, run by the methods named
             ``<method>@<label>``.
         tokenizer: decodes each call's new tokens into the report's runs (``text``).
+        draft_tokenizer: the draft's tokenizer when it differs from the target's (``tokenizer``): every method with
+            the draft gets both (hf_spec's `hf_spec.drafting.cross_tokenizer`, transformers' universal assisted
+            generation).
         profile: profile hf_spec's loop (`hf_spec.profiling`: where each call's time goes); default: on a CPU (where
             it costs a few timestamps a round), not on an accelerator (where it synchronizes the device).
     """
@@ -106,22 +111,25 @@ def run_benchmark(
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
     plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
+    if draft_tokenizer is not None:
+        plan.draft_kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
 
     first = next(iter(workloads.values()))[0]
     warmup_seconds = {}
     for method, spec in plan.specs.items():  # warm-up; a compiled method's runs the full length (it compiles)
         started = time.perf_counter()
         generate_once(spec, *plan.pair(method), first,
-                      {**plan.generate_kwargs, "max_new_tokens": max_new_tokens if spec.is_compiled else 4})
+                      {**plan.generate_kwargs, "max_new_tokens": max_new_tokens if spec.is_compiled else 4},
+                      draft_kwargs=plan.draft_kwargs)
         warmup_seconds[method] = time.perf_counter() - started
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
-    costs = {name + suffix: measure_costs(plan.pairs[suffix][0], make_drafter(plan.pairs[suffix][1]),
+    costs = {name + suffix: measure_costs(plan.pairs[suffix][0], plan.drafter(plan.pairs[suffix][1]),
                                           prompts[0]["input_ids"], [k + 1 for k in fixed_ks])
              for suffix in dict.fromkeys(plan.pair_of[m] for m, spec in plan.specs.items() if spec.uses_draft)
              for name, prompts in workloads.items()}
     largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
-    cost_table = probe_costs(plan.pairs[""][0], make_drafter(plan.pairs[""][1]), probe_sizes(largest))
+    cost_table = probe_costs(plan.pairs[""][0], plan.drafter(plan.pairs[""][1]), probe_sizes(largest))
     profile = plan.pairs[""][0].device.type == "cpu" if profile is None else profile
     runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
 
@@ -135,6 +143,7 @@ def run_benchmark(
         "config": {
             "num_draft_tokens": num_draft_tokens, "max_new_tokens": max_new_tokens, "repeats": repeats,
             "seed": seed, "methods": list(methods), "settings": settings, "profile": profile,
+            "draft_tokenizer": None if draft_tokenizer is None else getattr(draft_tokenizer, "name_or_path", None),
             "prompts_per_workload": {name: len(p) for name, p in workloads.items()},
             "dtype": str(target.dtype).removeprefix("torch."),
             "quantization": quantization_of(target),
@@ -164,6 +173,7 @@ class _Plan:
     pair_of: dict[str, str]  # method -> variant suffix
     generate_kwargs: dict
     eos_ids: set[int]
+    draft_kwargs: dict = dataclasses.field(default_factory=dict)  # calls with the draft: its other tokenizer
 
     @classmethod
     def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids) -> _Plan:
@@ -188,6 +198,12 @@ class _Plan:
     def pair(self, method: str) -> tuple[PreTrainedModel, PreTrainedModel]:
         return self.pairs[self.pair_of[method]]
 
+    def drafter(self, draft) -> Drafter:
+        """The drafter hf_spec makes of ``draft`` in these calls (for the cost probes)."""
+        if self.draft_kwargs:
+            return cross_tokenizer_drafter(draft, tuple(self.draft_kwargs.values()), False, None)
+        return make_drafter(draft)
+
 
 def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int, seed: int,
                       progress: bool, tokenizer=None, profile: bool = False) -> list[Run]:
@@ -206,8 +222,8 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
                 run, new_ids[method] = run_one(method, plan.specs[method], *plan.pair(method),
                                                workloads[workload][prompt],
                                                {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
-                                               tokenizer, profile, workload=workload, setting=setting,
-                                               prompt=prompt, repeat=repeat)
+                                               tokenizer, profile, plan.draft_kwargs, workload=workload,
+                                               setting=setting, prompt=prompt, repeat=repeat)
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")

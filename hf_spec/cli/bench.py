@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         pair.target, pair.draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
         methods=methods, variants=variants, num_draft_tokens=args.num_assistant_tokens,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
-        tokenizer=pair.tokenizer, profile=args.profile,
+        tokenizer=pair.tokenizer, profile=args.profile, draft_tokenizer=pair.draft_tokenizer,
     )
     report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft,
                             cpu_paths={role: None if path is None else dataclasses.asdict(path)

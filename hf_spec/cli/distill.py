@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     # the draft trains in float32 (bf16 weights would round small updates away); --dtype sets the teacher's
     args.quantize_draft, args.draft_vocab, args.draft_vocab_corpus = None, None, "stdlib"
     pair = load_models(args, draft_dtype=torch.float32, optimize=False)
+    pair.check_same_tokenizer("distillation")
     if args.plain_text:
         dataset = text_dataset(pair.tokenizer, texts(args), args.max_length)
     else:

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("-k auto: eval-draft --measure runs a fixed k; give a positive integer.")
     check_writable(args.output, "--output")
     pair = load_models(args)
+    pair.check_same_tokenizer("eval-draft (which scores the draft on target ids)")
     texts = prompts(args, pair.tokenizer)
     settings = sampling(args)
     continuations = target_continuations(pair.target, texts, args.max_new_tokens, settings, seed=args.seed)

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         _prompt_ids(args.prompt_ids)  # before the models load
     check_writable(args.output, "--output")
     pair = load_models(args)
-    target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
+    target, tokenizer = pair.target, pair.tokenizer
     inputs = _inputs(args, tokenizer)
     vocab_size = target.config.get_text_config().vocab_size
     if int(inputs["input_ids"].max()) >= vocab_size or int(inputs["input_ids"].min()) < 0:
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_length = inputs["input_ids"].shape[1]
     started = time.perf_counter()
     output = target.generate(
-        **inputs, assistant_model=draft, num_assistant_tokens=args.num_assistant_tokens, streamer=streamer,
+        **inputs, **pair.assistant(), num_assistant_tokens=args.num_assistant_tokens, streamer=streamer,
         num_tree_nodes=args.num_tree_nodes, generator=torch.Generator().manual_seed(args.seed),
         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, **settings,
     )

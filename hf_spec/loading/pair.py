@@ -33,7 +33,7 @@ from hf_spec.loading.quantization import first_device, quantized_copy
 from hf_spec.loading.tiny import build_tiny_pair, tiny_tokenizer
 from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.mixin import speculative
-from hf_spec.validation import check_same_vocabulary
+from hf_spec.validation import is_other_vocabulary
 
 #: The name of the built-in random-weight pair (a character tokenizer, random text).
 TINY = "tiny"
@@ -68,14 +68,29 @@ def use_real_models(real_models: bool | None = None, cache: Path | None = None) 
 
 @dataclasses.dataclass
 class Pair:
-    """A speculative target, its draft (a model or a draft head) on the target's first device, their shared
-    tokenizer, and the CPU forward paths `hf_spec.loading.packed.optimize` chose (``None`` when not optimized)."""
+    """A speculative target, its draft (a model or a draft head) on the target's first device, the target's
+    tokenizer, the draft's own when its vocabulary differs (``draft_tokenizer``, else ``None``), and the CPU forward
+    paths `hf_spec.loading.packed.optimize` chose (``None`` when not optimized)."""
 
     target: PreTrainedModel
     draft: PreTrainedModel
     tokenizer: object | None
     target_path: packed.CpuPath | None = None
     draft_path: packed.CpuPath | None = None
+    draft_tokenizer: object | None = None
+
+    def assistant(self) -> dict:
+        """The ``generate()`` arguments that draft with this pair: ``assistant_model``, and for a draft of another
+        tokenizer both tokenizers (`hf_spec.drafting.cross_tokenizer`)."""
+        if self.draft_tokenizer is None:
+            return {"assistant_model": self.draft}
+        return {"assistant_model": self.draft, "tokenizer": self.tokenizer, "assistant_tokenizer": self.draft_tokenizer}
+
+    def check_same_tokenizer(self, purpose: str) -> None:
+        """Refuse a draft of another tokenizer where ``purpose`` needs the target's ids."""
+        if self.draft_tokenizer is not None:
+            raise ValueError(f"--draft {self.draft.name_or_path!r} has a tokenizer of its own; {purpose} needs a "
+                             "draft that shares the target's.")
 
     def save(self, folder: str | Path) -> tuple[str, str]:
         """Save the target and the draft, each with the tokenizer, as ordinary checkpoints in ``folder/target`` and
@@ -123,8 +138,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
         seed: seeds the tiny pair's weights.
 
     Raises:
-        ValueError: a bad ``dtype``; a draft whose tokenizer differs from the target's; a head built for another
-            target.
+        ValueError: a bad ``dtype``; a head built for another target; ``draft_vocab`` for a draft of another
+            tokenizer (which is kept as ``Pair.draft_tokenizer``).
     """
     dtype = resolve_dtype(dtype)
     target, draft = model_name(target), model_name(draft)
@@ -140,12 +155,15 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     else:
         draft_model, draft_tokenizer = load_model(draft, dtype=draft_dtype or dtype, quantize=quantize_draft,
                                                   seed=seed, role="draft")
-        try:
-            check_same_vocabulary(tokenizer, draft_tokenizer)
-        except ValueError as error:
-            raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
+        other_tokenizer = draft_tokenizer if is_other_vocabulary(tokenizer, draft_tokenizer) else None
         if draft_vocab is not None:
+            if other_tokenizer is not None:
+                raise ValueError(f"`draft_vocab` {draft_vocab}: `draft` {draft!r} has a tokenizer of its own, and a "
+                                 "pruned vocabulary keeps target ids; drop `draft_vocab`.")
             prune_vocabulary(draft_model, draft_vocabulary(draft_model, tokenizer, draft_vocab, draft_vocab_corpus))
+        pair = prepare_pair(target_model, draft_model, tokenizer, optimize=optimize)
+        pair.draft_tokenizer = other_tokenizer
+        return pair
     return prepare_pair(target_model, draft_model, tokenizer, optimize=optimize)
 
 
