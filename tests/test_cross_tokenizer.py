@@ -20,9 +20,11 @@ from helpers import (
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+import hf_spec
 import hf_spec.drafting.cross_tokenizer as cross
 from hf_spec.drafting.cross_tokenizer import CrossTokenizerDrafter, to_target_space, vocabulary_map
 from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.loading.pretrained import is_converted
 
 
 def merging_tokenizer(letters: str, merges: list[str]) -> PreTrainedTokenizerFast:
@@ -66,7 +68,7 @@ def test_negative_control_q_without_the_processor_chain_is_caught(small_target, 
     original = cross.draw_next
 
     def raw_law_reported(scores, batch, draft_ids, context):
-        next_ids, probs, invalid = original(scores, batch, draft_ids, context)
+        next_ids, _, invalid = original(scores, batch, draft_ids, context)
         return next_ids, scores.softmax(dim=-1), invalid
 
     monkeypatch.setattr(cross, "draw_next", raw_law_reported)
@@ -155,3 +157,24 @@ def test_the_benchmark_runs_a_draft_of_another_tokenizer_beside_transformers_uni
     assert rows[("greedy", "hf_spec")]["identical_to_target_only"] == 1.0
     assert rows[("greedy", "transformers")]["identical_to_target_only"] == 1.0  # transformers' UAG, greedy
     assert rows[("sampled", "hf_spec")]["acceptance_rate"] is not None
+
+
+REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not all(map(is_converted, (REAL_TARGET, REAL_DRAFT))),
+                    reason="the real Qwen2.5-Coder-1.5B and SmolLM2-135M are not converted on this machine")
+def test_real_pair_of_two_tokenizers_greedy_equals_target_only_in_a_batch():
+    """Qwen2.5-Coder-1.5B (151,665 tokens) drafted by SmolLM2-135M (49,152): greedy, a ragged batch of two."""
+    pair = hf_spec.load_pair(REAL_TARGET, REAL_DRAFT, dtype="float32", optimize=False)  # bf16 blocks may break ties
+    assert pair.draft_tokenizer is not None
+    pair.tokenizer.padding_side = "left"
+    inputs = pair.tokenizer(["def fibonacci(n):\n", "import numpy as np\n\ndef normalize(rows):\n"], padding=True,
+                            return_tensors="pt")
+    settings = {"do_sample": False, "max_new_tokens": 32, "pad_token_id": pair.tokenizer.pad_token_id}
+    expected = pair.target.generate(**inputs, **settings)
+    output = pair.target.generate(**inputs, **pair.assistant(), num_assistant_tokens=3, return_dict_in_generate=True,
+                                  **settings)
+    assert torch.equal(output.sequences, expected)
+    assert output.speculative_stats.num_accepted > 0
