@@ -178,3 +178,33 @@ def test_real_pair_of_two_tokenizers_greedy_equals_target_only_in_a_batch():
                                   **settings)
     assert torch.equal(output.sequences, expected)
     assert output.speculative_stats.num_accepted > 0
+
+
+def test_stopping_streaming_and_stats_work_as_with_a_same_tokenizer_draft(target, letters_pair):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.pieces = []
+
+        def put(self, value):
+            self.pieces.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.pieces.append("end")
+
+    tokenizer, draft_tokenizer, draft = letters_pair
+    prompt = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    settings = {"max_new_tokens": 30, "do_sample": False, "tokenizer": tokenizer}
+    plain = target.generate(prompt, **settings)
+    stop = tokenizer.decode(plain[0, 9:11])  # two letters the target writes: generation stops right after them
+    expected = target.generate(prompt, stop_strings=[stop], **settings)
+    assert expected.shape[1] < plain.shape[1]
+    streamer = Recorder()
+    output = target.generate(prompt, stop_strings=[stop], assistant_model=draft, assistant_tokenizer=draft_tokenizer,
+                             streamer=streamer, num_assistant_tokens=4, return_dict_in_generate=True, **settings)
+    assert torch.equal(output.sequences, expected)
+    assert streamer.pieces[-1] == "end"
+    assert sum(streamer.pieces[:-1], []) == expected[0].tolist()  # the prompt, then every new token once
+    stats = output.speculative_stats
+    assert stats.num_rounds > 0 and stats.num_draft_tokens >= stats.num_accepted >= 0
