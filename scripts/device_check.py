@@ -18,6 +18,10 @@ What it measures:
    outside the two models' passes, and host synchronizations per round (counted with
    ``torch.cuda.set_sync_debug_mode``).
 4. Batches of 1, 4 and 16 rows with the oracle: tokens/s of target-only decoding and of hf_spec.
+5. Static caches and compiled passes (the first pair, the oracle at acceptance 0.8, k = 3): target-only decoding and
+   hf_spec on a dynamic cache, on a static cache, and compiled on a static cache (``mode="reduce-overhead"``: CUDA
+   graphs), each timed on its second call; the first call's seconds (it compiles), graphs compiled, identical
+   outputs. The JSON is written after every section, so a run cut short keeps what it measured.
 
 Random weights give meaningless text but real costs; the output layers are scaled so that greedy choices are clear
 (the oracle's answer then survives bf16 rounding). Nothing here needs the Hub: configs are written out below.
@@ -35,13 +39,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import CompileConfig, Qwen2Config, Qwen2ForCausalLM
 
 import hf_spec
 import hf_spec.rejection
 import hf_spec.rounds
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import machine_info
+from hf_spec.compiled import compiled_forward
 from hf_spec.drafting.costs import measure_costs, synchronize
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.oracle import OracleDrafter
@@ -69,8 +74,16 @@ def main() -> None:
     quick = args.quick or device.type != "cuda"
     started = time.perf_counter()
     report = {"machine": machine_info(), "device": str(device), "quick": quick, "hf_spec": hf_spec.__file__}
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        report["seconds"] = time.perf_counter() - started
+        (output / "device_check.json").write_text(json.dumps(report, indent=2, default=str))
+
     report["exactness"] = check_exactness(device, quick)
     report["greedy"] = check_greedy(device)
+    save()
     shapes, pairs = (QUICK_SHAPES, QUICK_PAIRS) if quick else (SHAPES, PAIRS)
     models = {}
     report["costs"], report["oracle"], report["batches"] = [], [], []
@@ -90,11 +103,11 @@ def main() -> None:
             for batch_size in (1, 4, 16):
                 report["batches"].append(oracle_run(target, draft, costs, 1.0, 5, batch_size, new_tokens, device,
                                                     target_name, draft_name))
+        if target_name == pairs[0][0]:
+            save()
+            report["compiled"] = compiled_runs(target, draft, device, target_name, 16 if quick else 64)
         models.pop(target_name)
-    report["seconds"] = time.perf_counter() - started
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "device_check.json").write_text(json.dumps(report, indent=2, default=str))
+        save()
     (output / "device_check.md").write_text(summary(report))
     print(summary(report))
 
@@ -270,6 +283,41 @@ def oracle_run(target, draft, costs, acceptance, k, batch_size, new_tokens, devi
     }
 
 
+def compiled_runs(target, draft, device, target_name, new_tokens, acceptance=0.8, k=3) -> list[dict]:
+    """Target-only and hf_spec (the oracle at ``acceptance``) on a dynamic cache, a static cache, and compiled on a
+    static cache: the second call timed, the first call's seconds (it compiles), graphs, identical outputs."""
+    config = (CompileConfig(fullgraph=False, dynamic=False) if device.type == "cuda"  # reduce-overhead: CUDA graphs
+              else CompileConfig(fullgraph=False, dynamic=False, backend="eager", mode=None))  # the CPU test: fast
+    config._compile_all_devices = True  # transformers' own generate compiles off CUDA only when told to
+    prompt = random_ids(target, 1, 32, device)
+    common = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "pad_token_id": 0}
+    reference = without_speculation_generate(target, prompt, **common)
+    cases = {"dynamic": {}, "static": {"cache_implementation": "static"},
+             "static, compiled": {"cache_implementation": "static", "compile_config": config}}
+    rows = []
+    for case, extra in cases.items():
+        for method in ("target_only", "hf_spec"):
+            def call(method=method, extra=extra):
+                if method == "target_only":
+                    return without_speculation_generate(target, prompt, **common, **extra)
+                oracle = OracleDrafter(reference, acceptance, draft_model=draft,
+                                       generator=torch.Generator(device).manual_seed(7))
+                return target.generate(prompt, assistant_model=oracle, num_assistant_tokens=k, **common, **extra)
+            seconds = []
+            for _ in range(2):  # the first call compiles
+                synchronize(device)
+                started = time.perf_counter()
+                output = call()
+                synchronize(device)
+                seconds.append(time.perf_counter() - started)
+            graphs = (sum(compiled_forward(m, config).num_graphs for m in (target, draft))
+                      if method == "hf_spec" and "compile_config" in extra else None)
+            rows.append({"target": target_name, "case": case, "method": method, "k": k, "oracle_acceptance": acceptance,
+                         "first_call_seconds": seconds[0], "tokens_per_second": new_tokens / seconds[1],
+                         "graphs": graphs, "identical_to_target_only": bool(torch.equal(output, reference))})
+    return rows
+
+
 def summary(report: dict) -> str:
     def number(value, spec="") -> str:
         return "-" if value is None else format(value, spec)
@@ -299,6 +347,11 @@ def summary(report: dict) -> str:
                      f"{number(r['share_of_predicted'], '.0%')} | {number(loop, '.2f')} | "
                      f"{number(r['host_syncs_per_round'], '.1f')} | {r['measured_acceptance']:.2f} | "
                      f"{r['identical_to_target_only']} |")
+    lines += ["", "## Static caches and compiled passes (greedy, batch 1)", "",
+              "| target | cache | method | tok/s | first call s | graphs | identical |", "|---" * 7 + "|"]
+    lines += [f"| {r['target']} | {r['case']} | {r['method']} | {r['tokens_per_second']:.1f} | "
+              f"{r['first_call_seconds']:.1f} | {number(r['graphs'])} | {r['identical_to_target_only']} |"
+              for r in report.get("compiled", [])]
     return "\n".join(lines) + "\n"
 
 

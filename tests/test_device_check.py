@@ -27,4 +27,10 @@ def test_the_quick_device_check_runs_and_every_check_passes(tmp_path):
     assert all(run["identical_to_target_only"] for run in report["batches"])
     costs = report["costs"][0]
     assert set(costs["target_block_seconds"]) >= {"2", "4", "8", "16", "32"} and costs["cost_ratio"] > 0
+    compiled = {(run["case"], run["method"]): run for run in report["compiled"]}
+    assert set(compiled) == {(case, method) for case in ("dynamic", "static", "static, compiled")
+                             for method in ("target_only", "hf_spec")}
+    assert all(run["identical_to_target_only"] for run in compiled.values()), compiled
+    assert compiled[("static, compiled", "hf_spec")]["graphs"] > 0
     assert "## Exactness" in (tmp_path / "device_check.md").read_text()
+    assert "## Static caches and compiled passes" in (tmp_path / "device_check.md").read_text()

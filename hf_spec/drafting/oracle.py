@@ -61,6 +61,10 @@ class OracleDrafter(Drafter):
         proposal.num_model_steps = num_model_steps
         return proposal
 
+    def match_cache(self, static_length: int | None) -> None:
+        if self.model is not None:
+            self.model.match_cache(static_length)
+
     def reset(self) -> None:
         if self.model is not None:
             self.model.reset()
