@@ -25,6 +25,7 @@ __all__ = [
     "check_generation_hooks",
     "decoding_chain",
     "drop_gguf_quantizer",
+    "is_rewired_by_universal_assisted_generation",
     "merged_generation_config",
     "modules_kept_in_full_precision",
     "num_beams",
@@ -100,6 +101,17 @@ def drop_gguf_quantizer(model: PreTrainedModel) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+
+
+def is_rewired_by_universal_assisted_generation(model: PreTrainedModel) -> bool:
+    """Whether transformers' universal assisted generation (sampling with another tokenizer) replaced ``model``'s
+    embeddings in place: ``_PruneReindexingLMHead`` and ``_MapInputEmbedding`` of
+    ``transformers.generation.candidate_generator``, which stay after the call."""
+    from transformers.generation import candidate_generator
+
+    rewired = (getattr(candidate_generator, "_PruneReindexingLMHead", ()),
+               getattr(candidate_generator, "_MapInputEmbedding", ()))
+    return isinstance(model.get_output_embeddings(), rewired) or isinstance(model.get_input_embeddings(), rewired)
 
 
 def attention_implementation(model: PreTrainedModel) -> str:

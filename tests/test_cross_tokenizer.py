@@ -208,3 +208,21 @@ def test_stopping_streaming_and_stats_work_as_with_a_same_tokenizer_draft(target
     assert sum(streamer.pieces[:-1], []) == expected[0].tolist()  # the prompt, then every new token once
     stats = output.speculative_stats
     assert stats.num_rounds > 0 and stats.num_draft_tokens >= stats.num_accepted >= 0
+
+
+def test_a_draft_rewired_by_transformers_universal_assisted_generation_is_refused_by_name(target, letters_pair):
+    import copy
+
+    from hf_spec import without_speculation
+
+
+    _, _, draft = letters_pair
+    draft = copy.deepcopy(draft)  # fresh tokenizers too: transformers caches its translator per pair of tokenizers
+    tokenizer = letters_tokenizer(16)
+    draft_tokenizer = merging_tokenizer("abcdefghijkl", ["ab", "cd", "ef", "ba", "ca"])
+    kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer, "max_new_tokens": 4, "do_sample": True}
+    prompt = torch.tensor([[3, 1, 4]])
+    with without_speculation(target):  # transformers' own: it prunes the draft's output layer in place
+        target.generate(prompt, assistant_model=draft, **kwargs)
+    with pytest.raises(ValueError, match="universal assisted generation.*load the draft again"):
+        target.generate(prompt, assistant_model=draft, **kwargs)

@@ -22,6 +22,7 @@ interleaved with the rest. Its speed-up is reported against the first target's `
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -113,6 +114,7 @@ def run_benchmark(
     plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
     if draft_tokenizer is not None:
         plan.draft_kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
+        plan.transformers_draft = copy.deepcopy(draft)  # its sampled UAG rewires the draft's embeddings for good
 
     first = next(iter(workloads.values()))[0]
     warmup_seconds = {}
@@ -174,6 +176,7 @@ class _Plan:
     generate_kwargs: dict
     eos_ids: set[int]
     draft_kwargs: dict = dataclasses.field(default_factory=dict)  # calls with the draft: its other tokenizer
+    transformers_draft: PreTrainedModel | None = None  # a copy for transformers' methods (a draft of another tokenizer)
 
     @classmethod
     def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids) -> _Plan:
@@ -196,7 +199,10 @@ class _Plan:
         return cls(pairs, specs, pair_of, {"max_new_tokens": max_new_tokens, "pad_token_id": pad}, eos_ids)
 
     def pair(self, method: str) -> tuple[PreTrainedModel, PreTrainedModel]:
-        return self.pairs[self.pair_of[method]]
+        target, draft = self.pairs[self.pair_of[method]]
+        if self.transformers_draft is not None and not self.specs[method].is_ours and not self.pair_of[method]:
+            return target, self.transformers_draft
+        return target, draft
 
     def drafter(self, draft) -> Drafter:
         """The drafter hf_spec makes of ``draft`` in these calls (for the cost probes)."""

@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_spec.caches import crop_to, new_cache, select_rows
+from hf_spec.compat import is_rewired_by_universal_assisted_generation
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
 from hf_spec.drafting.model import check_draft_model
@@ -185,6 +186,10 @@ class CrossTokenizerDrafter(Drafter):
 
     def check(self, target: PreTrainedModel, max_length: int) -> None:
         check_draft_model(self.model, target, max_length)
+        if is_rewired_by_universal_assisted_generation(self.model):
+            raise ValueError("`assistant_model`'s embeddings were replaced by transformers' universal assisted "
+                             "generation (sampling with another tokenizer prunes the draft's output layer and remaps "
+                             "its input ids, in place, for good); load the draft again for hf_spec.")
 
     @property
     def cost_key(self) -> PreTrainedModel:
