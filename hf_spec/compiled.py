@@ -13,9 +13,9 @@ states are dropped. The processor chain, acceptance and sampling stay outside th
 Dynamo's per-function recompile limit is raised to `RECOMPILE_LIMIT` (a process-wide cap, raised once, never
 lowered): past it dynamo would run further shapes eagerly without a word.
 
-A compiled pass calls the model's ``forward``, not the module: its forward pre-hooks are called before it, outside
-the graph (`run_pre_hooks`; what they return is not used), and a model with forward hooks is refused
-(`check_hooks`): they would not see the pass.
+A compiled pass calls the model's ``forward``, not the module, so the module's hooks are called around it, outside
+the graph, as ``model(**inputs)`` would call them (`run_pre_hooks`, `run_post_hooks`; what they return is not used):
+a user's hooks, and the kernel dispatch of `hf_spec.loading.dispatch`, see every pass.
 
 `CompiledForward.num_graphs` counts the graphs compiled per model, so a test can check that a
 steady-state call compiles nothing new. Compiled functions are kept per model (weakly) and reused across calls with
@@ -82,9 +82,6 @@ def compiling(models: list[torch.nn.Module | None],
     """Within the block, `hf_spec.forward` runs these models' passes compiled (nothing when ``config`` is None; a
     ``None`` model, a drafter without one, is skipped)."""
     models = [model for model in models if model is not None]
-    if config is not None:
-        for model in models:
-            check_hooks(model)
     active = {} if config is None else {id(model): compiled_forward(model, config) for model in models}
     token = _ACTIVE.set(active or None)
     try:
@@ -93,22 +90,25 @@ def compiling(models: list[torch.nn.Module | None],
         _ACTIVE.reset(token)
 
 
-def check_hooks(model: torch.nn.Module) -> None:
-    """Refuse a model with forward hooks: a compiled pass runs its ``forward`` and they would not be called."""
-    if model._forward_hooks:
-        raise ValueError(f"`compile_config` runs {type(model).__name__}'s forward compiled, which its "
-                         f"{len(model._forward_hooks)} forward hook(s) would not see; remove them (forward pre-hooks "
-                         "are called) or drop `compile_config`.")
-
-
 def run_pre_hooks(model: torch.nn.Module, inputs: dict) -> None:
-    """Call the model's forward pre-hooks before a compiled pass, as ``model(**inputs)`` would (no positional
-    arguments; what they return is not used)."""
+    """Call the model's forward pre-hooks before a compiled pass (no positional arguments; results unused)."""
     for key, hook in tuple(model._forward_pre_hooks.items()):
         if key in model._forward_pre_hooks_with_kwargs:
             hook(model, (), inputs)
         else:
             hook(model, ())
+
+
+def run_post_hooks(model: torch.nn.Module, inputs: dict, output) -> None:
+    """Call the model's forward hooks after a compiled pass; ``output`` ``None`` (the pass raised): only those
+    registered with ``always_call``."""
+    for key, hook in tuple(model._forward_hooks.items()):
+        if output is None and key not in model._forward_hooks_always_called:
+            continue
+        if key in model._forward_hooks_with_kwargs:
+            hook(model, (), inputs, output)
+        else:
+            hook(model, (), output)
 
 
 def active_forward(model: torch.nn.Module) -> CompiledForward | None:

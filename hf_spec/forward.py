@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, static_length
 from hf_spec.compat import attention_implementation
-from hf_spec.compiled import active_forward, pad_inputs, padded_width, run_pre_hooks, strip_padding
+from hf_spec.compiled import active_forward, pad_inputs, padded_width, run_post_hooks, run_pre_hooks, strip_padding
 from hf_spec.profiling import timed_forward
 
 
@@ -54,7 +54,11 @@ def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
         if (compiled is not None and width is not None and (mask is None or mask.dim() == 2)  # not a tree's pass
                 and cached + width <= (static_length(inputs["cache"]) or 0)):  # a static cache the padding fits in
             run_pre_hooks(model, inputs)
-            output = compiled.function(**pad_inputs(inputs, width), use_cache=True, **extra)
+            output = None
+            try:
+                output = compiled.function(**pad_inputs(inputs, width), use_cache=True, **extra)
+            finally:
+                run_post_hooks(model, inputs, output)
             crop_to(inputs["cache"], cached + num_fed)  # the padding's positions: written, then cut off
             logits, hidden = strip_padding(output.logits, getattr(output, "hidden_states", None), num_fed)
         else:
