@@ -244,7 +244,7 @@ def test_static_and_compiled_methods(tmp_path):
         method_spec("transformers_static", 5)
     argv = ["bench", *TINY, "--prompts", "1", "--max-new-tokens", "8", "--threads", "1", "--no-progress",
             "--workloads", "code", "--settings", "greedy", "--methods", "hf_spec_static", "target_only_static",
-            "--output", str(tmp_path / "b.json")]
+            "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     assert main(argv) == 0
     report = json.loads((tmp_path / "b.json").read_text())
     rows = {row["method"]: row for row in report["results"]}
