@@ -116,7 +116,8 @@ class CrossTokenizerDrafter(Drafter):
             if is_unconfident(step_probs, next_ids, context):
                 break
             if i + 1 < num_draft_tokens:  # the next step reads it
-                self._append([[index] for index in self.to_draft[next_ids.to(self.to_draft.device).clamp(max=len(self.to_draft) - 1)].tolist()])
+                known = next_ids.to(self.to_draft.device).clamp(max=len(self.to_draft) - 1)
+                self._append([[index] for index in self.to_draft[known].tolist()])
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
                         num_model_steps=draft_ids.shape[1])
 
