@@ -31,6 +31,7 @@ import hf_spec.decoding
 import hf_spec.forward
 from hf_spec import speculative
 from hf_spec.caches import static_length
+from hf_spec.loading.packed import optimize
 from hf_spec.evaluation.exactness import fit_sequences
 
 DRAFTING = {
@@ -162,6 +163,20 @@ def test_negative_control_padding_in_front_of_a_compiled_pass_is_caught(model, a
 def test_inductor_compiled_passes_equal_target_only():
     target = speculative(make_tiny_model(seed=4, vocab_size=128, num_layers=1))
     config = CompileConfig(fullgraph=False, dynamic=False)  # transformers' default backend, inductor
+    prompt = torch.tensor([[5, 9, 5, 9, 7, 5, 9, 5]])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    output = target.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
+                             cache_implementation="static", compile_config=config)
+    assert torch.equal(output, expected) and graphs([target], config) > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_inductor_compiles_a_model_on_the_packed_cpu_path():
+    """oneDNN's op on a prepacked weight cannot be lowered by inductor; it runs as one opaque op in the graph."""
+    target = speculative(make_tiny_model(seed=4, vocab_size=128, num_layers=1))
+    if optimize(target, "packed").name != "packed":
+        pytest.skip("oneDNN cannot prepack float32 weights on this CPU")
+    config = CompileConfig(fullgraph=False, dynamic=False)
     prompt = torch.tensor([[5, 9, 5, 9, 7, 5, 9, 5]])
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
     output = target.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,

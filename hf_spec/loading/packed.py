@@ -52,6 +52,19 @@ ROLES = ("target", "steps")
 PREFIX_LENGTH = 64
 
 
+@torch.library.custom_op("hf_spec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+                  ) -> torch.Tensor:  # [..., in] -> [..., out]
+    """oneDNN's linear on a prepacked weight, as one op a compiled graph calls as it is (`PackedLinear` under
+    ``torch.compile``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight oneDNN holds in its own blocked layout (``[out, in]`` as a dense tensor).
 
@@ -68,6 +81,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's op on a prepacked weight: keep it opaque
+            return packed_linear(x, self.weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
