@@ -31,8 +31,8 @@ import hf_spec.decoding
 import hf_spec.forward
 from hf_spec import speculative
 from hf_spec.caches import static_length
-from hf_spec.loading.packed import optimize
 from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.loading.packed import optimize
 
 DRAFTING = {
     "chain k3": {"num_assistant_tokens": 3},
