@@ -8,9 +8,11 @@ import pytest
 import torch
 from helpers import make_tiny_model
 
+import hf_spec.bench.runner
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import ForwardCounter
 from hf_spec.bench.methods import method_spec
+from hf_spec.bench.report import format_table
 from hf_spec.bench.runner import run_benchmark
 from hf_spec.bench.workloads import random_workloads, text_workloads
 from hf_spec.cli import main
@@ -20,7 +22,8 @@ from hf_spec.mixin import SpeculativeGenerationMixin
 
 TINY = ["--target", "tiny", "--draft", "tiny"]
 RESULT_FIELDS = {
-    "workload", "setting", "method", "calls", "new_tokens", "seconds", "tokens_per_second", "speedup_vs_target_only",
+    "workload", "setting", "method", "calls", "failed_calls", "new_tokens", "seconds", "tokens_per_second",
+    "speedup_vs_target_only",
     "speedup_vs_own_target_only", "speedup_vs_transformers", "acceptance_rate", "tokens_per_target_pass", "alpha",
     "predicted_speedup", "speedup_vs_stock_target_only", "speedup_vs_best_target_only",
     "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_seconds",
@@ -198,6 +201,35 @@ def test_bench_compares_drafts_for_the_same_target():
     assert rows["hf_spec@noisier"]["speedup_vs_own_target_only"] == rows["hf_spec@noisier"]["speedup_vs_target_only"]
     assert rows["hf_spec@noisier"]["acceptance_rate"] < rows["hf_spec"]["acceptance_rate"]
     assert set(report["costs"]) == {"code", "code@noisier"}
+
+
+def test_a_call_of_transformers_that_raises_is_reported_and_ours_stops_the_bench(monkeypatch):
+    """transformers' assisted generation failing on one prompt (its universal assisted generation does, sampled, on a
+    real cross-tokenizer pair) is a result: the call is listed with its error and left out of the figures, and the
+    other calls still run. One of hf_spec's calls raising is a bug and stops the bench."""
+    target, draft = build_tiny_pair(seed=0)
+    workloads = random_workloads(("code",), 2, TINY_VOCAB_SIZE)
+    original = hf_spec.bench.runner.generate_once
+
+    def failing(spec, target, draft, inputs, *args, **kwargs):
+        if inputs is workloads["code"][1] and spec.uses_draft and spec.is_ours is ours_fail:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        return original(spec, target, draft, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(hf_spec.bench.runner, "generate_once", failing)
+    ours_fail = False
+    report = run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},
+                           methods=("target_only", "transformers", "hf_spec"), max_new_tokens=8, progress=False)
+    rows = {row["method"]: row for row in report["results"]}
+    assert (rows["transformers"]["calls"], rows["transformers"]["failed_calls"]) == (1, 1)
+    assert (rows["hf_spec"]["calls"], rows["hf_spec"]["failed_calls"]) == (2, 0)
+    failed = [run for run in report["runs"] if run["error"]]
+    assert [(run["method"], run["prompt"]) for run in failed] == [("transformers", 1)]
+    assert "code/greedy prompt 1: transformers: RuntimeError: mat1 and mat2" in format_table(report)
+    ours_fail = True
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},
+                      methods=("target_only", "transformers", "hf_spec"), max_new_tokens=8, progress=False)
 
 
 def test_bench_cli_names_a_draft_variant_that_is_not_there(tmp_path, capsys):

@@ -185,6 +185,30 @@ def test_damaged_or_foreign_checkpoints_are_refused_by_name(target, head, tmp_pa
         Eagle3Head.from_target(wide)
 
 
+def test_speculators_own_classes_read_the_folder_unchanged(target, head, tmp_path, monkeypatch):
+    """Optional, where vllm-project/speculators imports (0.9.0 pins transformers<=5.19, so install it beside this
+    environment with --no-deps, docs/heads.md): its config class parses our config.json and its Eagle3DraftModel loads
+    every tensor of ours unchanged (what it adds are the verifier's embeddings and its training-only verifier
+    layers); a file whose fc weight has the wrong
+    shape (the negative control) is refused by its loader."""
+    speculators_models = pytest.importorskip("speculators.models")
+    target.save_pretrained(tmp_path / "verifier")
+    monkeypatch.setattr(head.config, "verifier_name_or_path", str(tmp_path / "verifier"))
+    head.save_pretrained(tmp_path / "head")
+    config = speculators_models.Eagle3SpeculatorConfig.from_pretrained(tmp_path / "head")
+    assert config.draft_vocab_size == 21 and config.eagle_aux_hidden_state_layer_ids == AUX
+    assert config.speculators_config.verifier.name_or_path == str(tmp_path / "verifier")
+    theirs = speculators_models.Eagle3DraftModel.from_pretrained(tmp_path / "head").state_dict()
+    ours = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert set(theirs) - set(ours) == {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name].to(tensor.dtype), tensor), name
+    save_file({**ours, "fc.weight": ours["fc.weight"][:, :128].contiguous()}, str(tmp_path / "head" /
+                                                                              "model.safetensors"))
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # its loader saw the shape mismatch
+        speculators_models.Eagle3DraftModel.from_pretrained(tmp_path / "head")
+
+
 # --- Exactness through generate() ----------------------------------------------------------------------------------
 
 VOCAB = 4

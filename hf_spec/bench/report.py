@@ -20,6 +20,7 @@ each against target-only decoding of the same prompt; ``profile_shares``: where 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -55,6 +56,7 @@ class Run:
     new_ids: list[int] | None = None  # what the call generated (up to and including the first EOS)
     text: str | None = None  # ``new_ids`` decoded, when a tokenizer was given
     profile: dict[str, float] | None = None  # hf_spec's loop, seconds per section (`hf_spec.profiling`)
+    error: str | None = None  # transformers' own method raised (the call is reported, left out of every figure)
 
 
 def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], method_k: dict[str, int | None],
@@ -72,8 +74,11 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
             speed-up its counts (target passes and their sizes, draft passes) give at those costs, free of the timing
             noise of the runs themselves.
     """
+    failed = collections.Counter((run.workload, run.setting, run.method) for run in runs if run.error is not None)
+    runs = [run for run in runs if run.error is None]
     workloads = list(dict.fromkeys(run.workload for run in runs))
     if len(workloads) > 1:
+        failed.update({(ALL_WORKLOADS, *key[1:]): count for key, count in failed.items()})
         runs = runs + [dataclasses.replace(run, workload=ALL_WORKLOADS) for run in runs]
     cases = list(dict.fromkeys((run.workload, run.setting) for run in runs))
     groups: dict[tuple[str, str, str], list[Run]] = {}
@@ -90,6 +95,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
         identical = [run.identical_to_target_only for run in group if run.identical_to_target_only is not None]
         rows.append({
             "workload": workload, "setting": setting, "method": method, "calls": len(group),
+            "failed_calls": failed[(workload, setting, method)],
             "new_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "acceptance_rate": sum(run.accepted or 0 for run in group) / proposed if proposed else None,
             "tokens_per_target_pass": tokens / max(1, sum(run.target_passes for run in group)),
@@ -221,6 +227,11 @@ def format_table(report: dict) -> str:
             f"| {row['latency_p90_seconds']:.1f} | {row['peak_memory_bytes'] / 2**20:.0f} "
             f"| {number(row['identical_to_target_only'], '.0%')} |"
         )
+    failures = [run for run in report.get("runs", []) if run.get("error")]
+    if failures:
+        lines += ["", "Calls that raised (left out of every figure above; `runs[].error` in the JSON):", ""]
+        lines += [f"- {run['workload']}/{run['setting']} prompt {run['prompt']}: {run['method']}: {run['error']}"
+                  for run in failures]
     profiled = [row for row in report["results"] if row.get("profile_shares") and row["workload"] != ALL_WORKLOADS]
     if profiled:
         sections = list(profiled[0]["profile_shares"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 
 import torch
@@ -43,6 +44,8 @@ from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative
 from hf_spec.plan import cross_tokenizer_drafter, make_drafter
+
+logger = logging.getLogger(__name__)
 
 
 def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
@@ -224,17 +227,26 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
         order = methods[index % len(methods):] + methods[:index % len(methods)]  # rotate who goes first
         new_ids = {}
         for method in order:
-            with seeded(seed + index, device):  # the same seed for every method
-                run, new_ids[method] = run_one(method, plan.specs[method], *plan.pair(method),
-                                               workloads[workload][prompt],
-                                               {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
-                                               tokenizer, profile, plan.draft_kwargs, workload=workload,
-                                               setting=setting, prompt=prompt, repeat=repeat)
+            where = {"workload": workload, "setting": setting, "prompt": prompt, "repeat": repeat}
+            spec = plan.specs[method]
+            try:
+                with seeded(seed + index, device):  # the same seed for every method
+                    run, new_ids[method] = run_one(method, spec, *plan.pair(method), workloads[workload][prompt],
+                                                   {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
+                                                   tokenizer, profile, plan.draft_kwargs, **where)
+            except Exception as error:
+                if spec.is_ours or not spec.uses_draft:
+                    raise
+                run = Run(method=method, seconds=0.0, new_tokens=0, target_passes=0, draft_passes=0, proposed=None,
+                          accepted=None, working_memory_bytes=None, error=f"{type(error).__name__}: {error}", **where)
+                logger.warning(f"{method} raised on {workload}/{setting} prompt {prompt}: {run.error}")
             runs.append(run)
             bar.update()
-            bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / run.seconds:.2f} tok/s")
+            bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / max(run.seconds, 1e-9):.2f} tok/s")
         if not settings[setting].get("do_sample"):
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
+                if run.error is not None:
+                    continue
                 reference = new_ids.get("target_only" + plan.pair_of[run.method], new_ids["target_only"])
                 if run.method in KERNEL_BASELINES:  # the same weights on other kernels: against the main path
                     reference = new_ids["target_only"]
