@@ -12,7 +12,7 @@ import hf_spec.bench.runner
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import ForwardCounter
 from hf_spec.bench.methods import method_spec
-from hf_spec.bench.report import format_table
+from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import run_benchmark
 from hf_spec.bench.workloads import random_workloads, text_workloads
 from hf_spec.cli import main
@@ -203,29 +203,34 @@ def test_bench_compares_drafts_for_the_same_target():
     assert set(report["costs"]) == {"code", "code@noisier"}
 
 
-def test_a_call_of_transformers_that_raises_is_reported_and_ours_stops_the_bench(monkeypatch):
-    """transformers' assisted generation failing on one prompt (its universal assisted generation does, sampled, on a
-    real cross-tokenizer pair) is a result: the call is listed with its error and left out of the figures, and the
-    other calls still run. One of hf_spec's calls raising is a bug and stops the bench."""
+def test_a_call_of_transformers_that_raises_is_reported_and_ours_stops_the_bench(monkeypatch, tmp_path):
+    """transformers' assisted generation failing on a prompt (its universal assisted generation did, on a real
+    cross-tokenizer pair) is a result: the call is listed with its error and left out of the figures, the other calls
+    still run, and a case where every call raised has no row (the plot still draws). One of hf_spec's calls raising
+    is a bug and stops the bench."""
     target, draft = build_tiny_pair(seed=0)
-    workloads = random_workloads(("code",), 2, TINY_VOCAB_SIZE)
+    workloads = random_workloads(("code", "prose"), 2, TINY_VOCAB_SIZE)
+    failing = {("code", 1), ("prose", 0), ("prose", 1)}
     original = hf_spec.bench.runner.generate_once
 
-    def failing(spec, target, draft, inputs, *args, **kwargs):
-        if inputs is workloads["code"][1] and spec.uses_draft and spec.is_ours is ours_fail:
+    def generate_once(spec, target, draft, inputs, *args, **kwargs):
+        chosen = any(inputs is workloads[name][i] for name, i in failing)
+        if chosen and spec.uses_draft and spec.is_ours is ours_fail:
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
         return original(spec, target, draft, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(hf_spec.bench.runner, "generate_once", failing)
+    monkeypatch.setattr(hf_spec.bench.runner, "generate_once", generate_once)
     ours_fail = False
     report = run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},
                            methods=("target_only", "transformers", "hf_spec"), max_new_tokens=8, progress=False)
-    rows = {row["method"]: row for row in report["results"]}
-    assert (rows["transformers"]["calls"], rows["transformers"]["failed_calls"]) == (1, 1)
-    assert (rows["hf_spec"]["calls"], rows["hf_spec"]["failed_calls"]) == (2, 0)
-    failed = [run for run in report["runs"] if run["error"]]
-    assert [(run["method"], run["prompt"]) for run in failed] == [("transformers", 1)]
+    rows = {(row["workload"], row["method"]): row for row in report["results"]}
+    assert (rows[("code", "transformers")]["calls"], rows[("code", "transformers")]["failed_calls"]) == (1, 1)
+    assert ("prose", "transformers") not in rows and rows[("all", "transformers")]["failed_calls"] == 3
+    assert (rows[("prose", "hf_spec")]["calls"], rows[("prose", "hf_spec")]["failed_calls"]) == (2, 0)
+    failed = [(run["workload"], run["prompt"]) for run in report["runs"] if run["error"]]
+    assert sorted(failed) == sorted(failing)
     assert "code/greedy prompt 1: transformers: RuntimeError: mat1 and mat2" in format_table(report)
+    plot(report, str(tmp_path / "bench.png"))
     ours_fail = True
     with pytest.raises(RuntimeError, match="mat1 and mat2"):
         run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},

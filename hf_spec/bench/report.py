@@ -78,7 +78,8 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
     runs = [run for run in runs if run.error is None]
     workloads = list(dict.fromkeys(run.workload for run in runs))
     if len(workloads) > 1:
-        failed.update({(ALL_WORKLOADS, *key[1:]): count for key, count in failed.items()})
+        for (_, setting, method), count in list(failed.items()):
+            failed[(ALL_WORKLOADS, setting, method)] += count
         runs = runs + [dataclasses.replace(run, workload=ALL_WORKLOADS) for run in runs]
     cases = list(dict.fromkeys((run.workload, run.setting) for run in runs))
     groups: dict[tuple[str, str, str], list[Run]] = {}
@@ -275,9 +276,12 @@ def plot(report: dict, path: str) -> None:
     has_prediction = False
     for offset, method in enumerate(methods):
         xs = [g + offset * width for g in range(len(groups))]
-        speed.bar(xs, [by_key[(*key, method)]["speedup_vs_target_only"] for key in groups], width, label=method)
-        passes.bar(xs, [by_key[(*key, method)]["tokens_per_target_pass"] for key in groups], width, label=method)
-        predicted = [by_key[(*key, method)]["predicted_speedup_block_cost"] for key in groups]
+        rows_of = [by_key.get((*key, method)) for key in groups]  # None where every call of the method raised
+        speed.bar(xs, [float("nan") if row is None else row["speedup_vs_target_only"] for row in rows_of], width,
+                  label=method)
+        passes.bar(xs, [float("nan") if row is None else row["tokens_per_target_pass"] for row in rows_of], width,
+                   label=method)
+        predicted = [None if row is None else row["predicted_speedup_block_cost"] for row in rows_of]
         if any(value is not None for value in predicted):
             speed.scatter(xs, [float("nan") if value is None else value for value in predicted], marker="_", s=400,
                           color="black", zorder=3, label=None if has_prediction else "formula, measured block cost")

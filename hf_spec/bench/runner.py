@@ -117,15 +117,20 @@ def run_benchmark(
     plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
     if draft_tokenizer is not None:
         plan.draft_kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
-        plan.transformers_draft = copy.deepcopy(draft)  # its sampled UAG rewires the draft's embeddings for good
+        # transformers' sampled universal assisted generation rewires its draft's embeddings for good, and its greedy
+        # path then fails on that draft: one copy for its greedy calls, one for its sampled calls
+        plan.transformers_drafts = {False: copy.deepcopy(draft), True: copy.deepcopy(draft)}
 
     first = next(iter(workloads.values()))[0]
+    warmup_settings = [{}] + [setting for setting in settings.values() if setting.get("do_sample")][:1]
     warmup_seconds = {}
     for method, spec in plan.specs.items():  # warm-up; a compiled method's runs the full length (it compiles)
         started = time.perf_counter()
-        generate_once(spec, *plan.pair(method), first,
-                      {**plan.generate_kwargs, "max_new_tokens": max_new_tokens if spec.is_compiled else 4},
-                      draft_kwargs=plan.draft_kwargs)
+        for setting in warmup_settings if plan.transformers_drafts and not spec.is_ours else [{}]:
+            generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), first,
+                          {**plan.generate_kwargs, **setting,
+                           "max_new_tokens": max_new_tokens if spec.is_compiled else 4},
+                          draft_kwargs=plan.draft_kwargs)
         warmup_seconds[method] = time.perf_counter() - started
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
@@ -179,7 +184,8 @@ class _Plan:
     generate_kwargs: dict
     eos_ids: set[int]
     draft_kwargs: dict = dataclasses.field(default_factory=dict)  # calls with the draft: its other tokenizer
-    transformers_draft: PreTrainedModel | None = None  # a copy for transformers' methods (a draft of another tokenizer)
+    # copies of a draft of another tokenizer for transformers' methods, by do_sample
+    transformers_drafts: dict[bool, PreTrainedModel] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids) -> _Plan:
@@ -201,10 +207,10 @@ class _Plan:
         pad = min(eos_ids) if pad is None and eos_ids else pad
         return cls(pairs, specs, pair_of, {"max_new_tokens": max_new_tokens, "pad_token_id": pad}, eos_ids)
 
-    def pair(self, method: str) -> tuple[PreTrainedModel, PreTrainedModel]:
+    def pair(self, method: str, do_sample: bool = False) -> tuple[PreTrainedModel, PreTrainedModel]:
         target, draft = self.pairs[self.pair_of[method]]
-        if self.transformers_draft is not None and not self.specs[method].is_ours and not self.pair_of[method]:
-            return target, self.transformers_draft
+        if self.transformers_drafts and not self.specs[method].is_ours and not self.pair_of[method]:
+            return target, self.transformers_drafts[do_sample]
         return target, draft
 
     def drafter(self, draft) -> Drafter:
@@ -225,13 +231,15 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
     bar = tqdm(total=len(jobs) * len(methods), desc="hf-spec bench", unit="call", disable=not progress)
     for index, (workload, setting, prompt, repeat) in enumerate(jobs):
         order = methods[index % len(methods):] + methods[:index % len(methods)]  # rotate who goes first
+        do_sample = bool(settings[setting].get("do_sample"))
         new_ids = {}
         for method in order:
             where = {"workload": workload, "setting": setting, "prompt": prompt, "repeat": repeat}
             spec = plan.specs[method]
             try:
                 with seeded(seed + index, device):  # the same seed for every method
-                    run, new_ids[method] = run_one(method, spec, *plan.pair(method), workloads[workload][prompt],
+                    run, new_ids[method] = run_one(method, spec, *plan.pair(method, do_sample),
+                                                   workloads[workload][prompt],
                                                    {**plan.generate_kwargs, **settings[setting]}, plan.eos_ids,
                                                    tokenizer, profile, plan.draft_kwargs, **where)
             except Exception as error:
@@ -243,7 +251,7 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
             runs.append(run)
             bar.update()
             bar.set_postfix_str(f"{workload}/{setting} {method} {run.new_tokens / max(run.seconds, 1e-9):.2f} tok/s")
-        if not settings[setting].get("do_sample"):
+        if not do_sample:
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
                 if run.error is not None:
                     continue
