@@ -121,17 +121,7 @@ def run_benchmark(
         # path then fails on that draft: one copy for its greedy calls, one for its sampled calls
         plan.transformers_drafts = {False: copy.deepcopy(draft), True: copy.deepcopy(draft)}
 
-    first = next(iter(workloads.values()))[0]
-    warmup_settings = [{}] + [setting for setting in settings.values() if setting.get("do_sample")][:1]
-    warmup_seconds = {}
-    for method, spec in plan.specs.items():  # warm-up; a compiled method's runs the full length (it compiles)
-        started = time.perf_counter()
-        for setting in warmup_settings if plan.transformers_drafts and not spec.is_ours else [{}]:
-            generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), first,
-                          {**plan.generate_kwargs, **setting,
-                           "max_new_tokens": max_new_tokens if spec.is_compiled else 4},
-                          draft_kwargs=plan.draft_kwargs)
-        warmup_seconds[method] = time.perf_counter() - started
+    warmup_seconds = _warm_up(plan, next(iter(workloads.values()))[0], settings, max_new_tokens)
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
     costs = {name + suffix: measure_costs(plan.pairs[suffix][0], plan.drafter(plan.pairs[suffix][1]),
@@ -218,6 +208,22 @@ class _Plan:
         if self.draft_kwargs:
             return cross_tokenizer_drafter(draft, tuple(self.draft_kwargs.values()), False, None)
         return make_drafter(draft)
+
+
+def _warm_up(plan: _Plan, first: dict, settings: dict, max_new_tokens: int) -> dict[str, float]:
+    """Seconds of each method's warm-up call on the first prompt: 4 tokens, or the full length for a compiled method
+    (it compiles); transformers' methods on copies of a draft of another tokenizer warm up greedy and sampled."""
+    greedy_and_sampled = [{}] + [setting for setting in settings.values() if setting.get("do_sample")][:1]
+    seconds = {}
+    for method, spec in plan.specs.items():
+        started = time.perf_counter()
+        for setting in greedy_and_sampled if plan.transformers_drafts and not spec.is_ours else [{}]:
+            generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), first,
+                          {**plan.generate_kwargs, **setting,
+                           "max_new_tokens": max_new_tokens if spec.is_compiled else 4},
+                          draft_kwargs=plan.draft_kwargs)
+        seconds[method] = time.perf_counter() - started
+    return seconds
 
 
 def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int, seed: int,
