@@ -230,3 +230,35 @@ def test_a_draft_rewired_by_transformers_universal_assisted_generation_is_refuse
         target.generate(prompt, assistant_model=draft, **kwargs)
     with pytest.raises(ValueError, match="universal assisted generation.*load the draft again"):
         target.generate(prompt, assistant_model=draft, **kwargs)
+
+
+class ForceIdEveryThirdPosition:
+    """Forces ``token`` wherever the sequence length is a multiple of 3."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] % 3:
+            return scores
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.token] = 0.0
+        return forced
+
+
+def test_a_forced_id_past_the_tokenizer_is_drafted_and_kept_exactly(letters_pair):
+    """An id past the target tokenizer's length (embedding padding, forced by a processor) is drafted and kept like any
+    other (it used to index out of the vocabulary map); greedy output still equals target-only."""
+    from transformers import LogitsProcessorList
+
+    tokenizer, draft_tokenizer, draft = letters_pair
+    target = hf_spec.speculative(make_tiny_model(seed=23, vocab_size=64))  # ids 16-63: padding past the tokenizer
+    token = target.config.vocab_size - 1
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    processors = LogitsProcessorList([ForceIdEveryThirdPosition(token)])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False, logits_processor=processors,
+                               pad_token_id=PAD)
+    output = target.generate(prompt, assistant_model=draft, tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer,
+                             num_assistant_tokens=3, max_new_tokens=12, do_sample=False, logits_processor=processors,
+                             pad_token_id=PAD)
+    assert torch.equal(output, expected) and (expected[0, 4:] == token).any()

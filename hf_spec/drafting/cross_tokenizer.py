@@ -116,8 +116,10 @@ class CrossTokenizerDrafter(Drafter):
             if is_unconfident(step_probs, next_ids, context):
                 break
             if i + 1 < num_draft_tokens:  # the next step reads it
-                known = next_ids.to(self.to_draft.device).clamp(max=len(self.to_draft) - 1)
-                self._append([[index] for index in self.to_draft[known].tolist()])
+                ids = next_ids.to(self.to_draft.device)  # an id past the table (embedding padding): the fallback
+                known = ids < len(self.to_draft)
+                fed = torch.where(known, self.to_draft[ids.clamp(max=len(self.to_draft) - 1)], self.fallback)
+                self._append([[index] for index in fed.tolist()])
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
                         num_model_steps=draft_ids.shape[1])
 
