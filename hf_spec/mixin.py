@@ -38,7 +38,8 @@ from hf_spec.caches import cache_length, fit_prompt, new_cache, prepare_for_roll
 from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor
 from hf_spec.compiled import compiling
 from hf_spec.decoding import speculative_decode
-from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, start_sizer, static_cache_length, user_settings
+from hf_spec.plan import (CallOptions, check_tree_nodes, plan_call, start_sizer, static_cache_length, static_cache_size,
+                          user_settings)
 from hf_spec.rounds import Rounds
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
@@ -202,7 +203,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
     def _sized_static_cache(self, cache, input_ids, generation_config, rounds: Rounds):
         """A static cache that holds every position the call may write (`static_cache_length`): transformers sizes
         one for ``max_length`` positions, which drafts and a batch's holes outgrow, so a fresh one too small is made
-        again at the size needed; a filled one (passed as ``cache=``) too small is refused."""
+        again, rounded up (`static_cache_size`: calls of other prompt lengths reuse their compiled graphs); a filled
+        one (passed as ``cache=``) too small is refused."""
         length = static_length(cache)
         needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], generation_config.max_length,
                                      rounds.max_drafted)
@@ -212,7 +214,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
             raise ValueError(f"The static `cache` holds {length} positions, but this call may write {needed} (drafts "
                              "past `max_length`, and a batch's rows drifting apart); build it with "
                              f"`max_cache_len={needed}` or more.")
-        return new_cache(self, needed)
+        return new_cache(self, static_cache_size(needed))
 
     def __reduce__(self):
         """Pickled as the original class's object, made speculative again when loaded (`torch.save` too)."""

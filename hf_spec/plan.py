@@ -51,6 +51,8 @@ from hf_spec.validation import is_other_vocabulary
 
 #: Suffix matching looks for longer matches than prompt lookup's default 2: they choose better continuations.
 SUFFIX_NGRAM_SIZE = 4
+#: The fewest positions of a static cache hf_spec makes for a call (`static_cache_size`).
+MIN_STATIC_CACHE = 256
 #: The settings hf_spec reads itself, beside transformers' merged generation config (whose assisted-generation
 #: fields hold transformers' global defaults when nobody set them).
 READ_SETTINGS = ("num_tree_nodes", *ASSISTANT_SETTINGS)
@@ -248,3 +250,11 @@ def static_cache_length(batch_size: int, prompt_length: int, max_length: int, ma
     if batch_size == 1:
         return max_length + max_drafted + 1
     return prompt_length + (max_length - prompt_length) * (max_drafted + 1) + max_drafted + 1
+
+
+def static_cache_size(needed: int) -> int:
+    """Positions of a static cache made for a call that needs ``needed``: the next power of two, at least
+    `MIN_STATIC_CACHE`. Compiled passes have the cache's size in their shapes (the mask spans it), so calls whose
+    prompts differ in length share their graphs instead of compiling new ones (four minutes a prompt for the 1.5B
+    target on a CPU); a decode step's attention over the unused slots costs little beside its weights."""
+    return max(MIN_STATIC_CACHE, 1 << (needed - 1).bit_length())

@@ -47,7 +47,8 @@ def main() -> None:
     figure.tight_layout()
     figure.savefig(args.plot, dpi=100)
     for label, curve in curves.items():
-        print(label, "untrained", [round(x, 3) for x in curve["before"]], "trained", [round(x, 3) for x in curve["after"]])
+        before, after = ([round(x, 3) for x in curve[key]] for key in ("before", "after"))
+        print(label, "untrained", before, "trained", after)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from hf_spec import speculative
 from hf_spec.caches import static_length
 from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.packed import optimize
+from hf_spec.plan import static_cache_size
 
 DRAFTING = {
     "chain k3": {"num_assistant_tokens": 3},
@@ -141,6 +142,27 @@ def test_compiled_passes_equal_target_only_and_compile_once(model, assistant, dr
         assert torch.equal(greedy(model, input_ids, mask, **settings), expected)
     assert graphs([model, assistant], EAGER_COMPILE) == first
     assert torch.equal(greedy(model, input_ids, mask, **settings, disable_compile=True), expected)
+
+
+def test_a_prompt_of_another_length_reuses_the_compiled_graphs(model):
+    """The cache hf_spec makes is rounded up (`static_cache_size`), so its size, which every compiled pass's shapes
+    hold, is the same for prompts of 3 and 4 tokens (whose prefills are padded to the same widths). The draft is the
+    target's copy, so both calls run rounds of the same widths. Without the rounding the second call compiles every
+    pass again."""
+    torch._dynamo.reset()
+    exact_copy = make_noisy_copy(model, seed=3, noise=0.0)
+    settings = {"assistant_model": exact_copy, "cache_implementation": "static", "compile_config": EAGER_COMPILE,
+                "num_assistant_tokens": 3}
+    for length in (3, 4):
+        prompt = torch.tensor([PROMPTS[1][:length]])
+        assert torch.equal(greedy(model, prompt, **settings), greedy(model, prompt))
+        if length == 3:
+            first = graphs([model, exact_copy], EAGER_COMPILE)
+    assert graphs([model, exact_copy], EAGER_COMPILE) == first
+
+
+def test_a_static_cache_made_for_a_call_is_rounded_up_to_a_power_of_two():
+    assert [static_cache_size(n) for n in (1, 256, 257, 600, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
 
 
 def _padding_in_front(inputs: dict, width: int) -> dict:
