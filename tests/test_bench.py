@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 from helpers import make_tiny_model
+from transformers import CompileConfig
 
+import hf_spec.bench.methods
 import hf_spec.bench.runner
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import ForwardCounter
@@ -288,3 +290,20 @@ def test_static_and_compiled_methods(tmp_path):
     assert rows["hf_spec_static"]["identical_to_target_only"] == 1.0
     assert rows["target_only_static"]["tokens_per_target_pass"] == 1.0
     assert set(report["config"]["warmup_seconds"]) >= {"hf_spec_static", "target_only_static"}
+
+
+def test_a_compiled_method_compiles_in_its_warm_up_and_not_while_timed(tmp_path, monkeypatch):
+    """The warm-up runs each prompt once at the full length, so the timed calls meet no pass width not compiled."""
+    def eager_graphs():  # dynamo's graphs without code generation
+        return CompileConfig(backend="eager", fullgraph=False, dynamic=False)
+
+    monkeypatch.setattr(hf_spec.bench.methods, "bench_compile_config", eager_graphs)
+    monkeypatch.setattr(hf_spec.bench.runner, "bench_compile_config", eager_graphs)
+    argv = ["bench", *TINY, "--prompts", "3", "--max-new-tokens", "8", "--threads", "1", "--no-progress",
+            "--workloads", "code", "--settings", "greedy", "--methods", "hf_spec_k3_compiled", "--kernel-baselines",
+            "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["config"]["graphs_compiled_while_timed"] == {"hf_spec_k3_compiled": 0}
+    rows = {row["method"]: row for row in report["results"]}
+    assert rows["hf_spec_k3_compiled"]["identical_to_target_only"] == 1.0

@@ -19,8 +19,8 @@
   matching's at most k);
 - ``<method>_static``: any of these on a static cache (``cache_implementation="static"``); ``<method>_compiled``: on a
   static cache with compiled passes (``compile_config``: inductor, ``fullgraph=False``, ``dynamic=False``, on every
-  device; the warm-up call then runs the full length, so that the graphs compile before the timed calls and its
-  time, in the report's ``warmup_seconds``, is the compile time).
+  device; the warm-up then runs every timed call once at the full length, so that the graphs of every pass width
+  compile before the timed calls: its time, in the report's ``warmup_seconds``, is the compile time).
 """
 
 from __future__ import annotations

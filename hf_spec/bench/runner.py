@@ -1,7 +1,9 @@
 """`hf-spec bench`: target-only decoding, transformers' assisted generation and hf_spec, side by side.
 
 All methods (`hf_spec.bench.methods`) run in one process on the same weights, prompts and settings, interleaved prompt
-by prompt (their order rotates from one prompt to the next), after a warm-up call of each.
+by prompt (their order rotates from one prompt to the next), after a warm-up call of each (a compiled method's warm-up
+runs every timed call once, so that its graphs compile before the timing; the report gives that time,
+``warmup_seconds``, and the graphs hf_spec still compiled during the timed calls, ``graphs_compiled_while_timed``).
 
 Workloads: ``code`` (HumanEval prompts completed as text), ``prose`` (chat requests for prose), ``edit`` (chat requests
 to add type hints to a given HumanEval solution: the answer copies much of the input). Sampled runs of one prompt
@@ -32,9 +34,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
-from hf_spec.bench.methods import DEFAULT_METHODS, SETTINGS, MethodSpec, generate_once, method_spec
+from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, bench_compile_config, generate_once,
+                                   method_spec)
 from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
+from hf_spec.compiled import compiled_forward
 from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
@@ -121,7 +125,7 @@ def run_benchmark(
         # path then fails on that draft: one copy for its greedy calls, one for its sampled calls
         plan.transformers_drafts = {False: copy.deepcopy(draft), True: copy.deepcopy(draft)}
 
-    warmup_seconds = _warm_up(plan, next(iter(workloads.values()))[0], settings, max_new_tokens)
+    warmup_seconds = _warm_up(plan, workloads, settings, max_new_tokens)
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
     costs = {name + suffix: measure_costs(plan.pairs[suffix][0], plan.drafter(plan.pairs[suffix][1]),
@@ -131,7 +135,9 @@ def run_benchmark(
     largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
     cost_table = probe_costs(plan.pairs[""][0], plan.drafter(plan.pairs[""][1]), probe_sizes(largest))
     profile = plan.pairs[""][0].device.type == "cpu" if profile is None else profile
+    graphs_before = _compiled_graphs(plan)
     runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
+    graphs_while_timed = {method: count - graphs_before[method] for method, count in _compiled_graphs(plan).items()}
 
     weights = {}
     for suffix, (variant_target, variant_draft) in plan.pairs.items():
@@ -151,6 +157,7 @@ def run_benchmark(
                                  "draft": _describe(plan.pairs[f"@{label}"][1], draft)} for label in variants or {}},
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in plan.specs.items()},
             "warmup_seconds": warmup_seconds,
+            "graphs_compiled_while_timed": graphs_while_timed,
         },
         "weights_bytes": weights,
         "cost_table": dataclasses.asdict(cost_table),
@@ -210,20 +217,40 @@ class _Plan:
         return make_drafter(draft)
 
 
-def _warm_up(plan: _Plan, first: dict, settings: dict, max_new_tokens: int) -> dict[str, float]:
-    """Seconds of each method's warm-up call on the first prompt: 4 tokens, or the full length for a compiled method
-    (it compiles); transformers' methods on copies of a draft of another tokenizer warm up greedy and sampled."""
+def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) -> dict[str, float]:
+    """Seconds of each method's warm-up: a 4-token call on the first prompt; a compiled method runs every prompt of
+    every setting to the full length instead, so that each pass width the timed calls meet compiles here (this is
+    the compile time); transformers' methods on copies of a draft of another tokenizer warm up greedy and sampled."""
     greedy_and_sampled = [{}] + [setting for setting in settings.values() if setting.get("do_sample")][:1]
+    every_call = [(prompt, setting) for prompts in workloads.values() for prompt in prompts
+                  for setting in settings.values()]
+    first = next(iter(workloads.values()))[0]
     seconds = {}
     for method, spec in plan.specs.items():
         started = time.perf_counter()
-        for setting in greedy_and_sampled if plan.transformers_drafts and not spec.is_ours else [{}]:
-            generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), first,
-                          {**plan.generate_kwargs, **setting,
-                           "max_new_tokens": max_new_tokens if spec.is_compiled else 4},
-                          draft_kwargs=plan.draft_kwargs)
+        if spec.is_compiled:
+            calls = [(prompt, {**setting, "max_new_tokens": max_new_tokens}) for prompt, setting in every_call]
+        elif plan.transformers_drafts and not spec.is_ours:
+            calls = [(first, {**setting, "max_new_tokens": 4}) for setting in greedy_and_sampled]
+        else:
+            calls = [(first, {"max_new_tokens": 4})]
+        for prompt, setting in calls:
+            generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
+                          {**plan.generate_kwargs, **setting}, draft_kwargs=plan.draft_kwargs)
         seconds[method] = time.perf_counter() - started
     return seconds
+
+
+def _compiled_graphs(plan: _Plan) -> dict[str, int]:
+    """Graphs compiled so far for each compiled method's models (`hf_spec.compiled`; transformers' own compiled
+    calls are not counted)."""
+    counts = {}
+    for method, spec in plan.specs.items():
+        if spec.is_compiled and spec.is_ours:
+            models = plan.pair(method, False)[:2 if spec.uses_draft else 1]
+            counts[method] = sum(compiled_forward(model, bench_compile_config()).num_graphs for model in models
+                                 if isinstance(model, PreTrainedModel))
+    return counts
 
 
 def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int, seed: int,
