@@ -130,6 +130,17 @@ def test_auto_measures_every_candidate_and_keeps_the_fastest_for_its_role():
     assert cpu_path(model) is path and path.name in path.describe()
 
 
+def test_the_loss_of_plain_steps_on_a_verifying_path_is_reported():
+    """A target on the packed path pays its step, not the fastest one, in rounds that draft nothing: said, with the
+    ratio, and not said when the path's own step is the fastest."""
+    path = packed.CpuPath("packed", 0, {"stock": {1: 0.40}, "dense": {1: 0.30, 6: 0.50}, "packed": {1: 0.33, 6: 0.34}})
+    assert path.step_loss() == (pytest.approx(1.1), "dense")
+    assert "plain steps (rounds that draft nothing) cost 1.10x the fastest step (dense)" in path.describe()
+    fastest = packed.CpuPath("dense", 1, {"dense": {1: 0.30}, "packed": {1: 0.33}})
+    assert fastest.step_loss() == (1.0, "dense") and "plain steps" not in fastest.describe()
+    assert packed.CpuPath("stock", 0, {}).step_loss() is None
+
+
 def test_what_cannot_be_optimized_keeps_its_stock_path_with_the_reason(monkeypatch, caplog):
     half = make_tiny_model(seed=0).to(torch.float16)
     assert optimize(half).reason == "torch.float16 weights" and cpu_path(half).name == "stock"

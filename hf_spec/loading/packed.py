@@ -1,33 +1,32 @@
 """The fastest CPU forward path for a model, chosen by measurement: linear layers prepacked for oneDNN, and per pass
 either torch's own kernels or oneDNN for the rest, by the number of rows in the pass.
 
-Why (Qwen2.5-Coder-1.5B in bf16, 256-token cache, 2 threads, an AVX512-BF16 CPU): as loaded, a 1-token step costs
-about 226 ms through oneDNN and 123 ms through torch's own kernels (oneDNN off), while a 6-token block costs about
-220 ms through oneDNN and 520 ms through torch's. With the linear weights prepacked for oneDNN
+Why (Qwen2.5-Coder-1.5B in bf16, 256-token cache, 2 threads, an AVX512-BF16 CPU): as loaded, a 1-token step costs about
+226 ms through oneDNN and 123 ms through torch's own kernels (oneDNN off), while a 6-token block costs about 220 ms
+through oneDNN and 520 ms through torch's. With the linear weights prepacked for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``, run by ``torch.ops.mkldnn._linear_pointwise``, what inductor's CPU
-freezing uses) a 6-token block costs about one step. Without native bf16 (AVX2), float32 prepacked linears still cut
-the step and the blocks; bf16 cannot be prepacked there.
+freezing uses) a 6-token block costs about one step. Without native bf16 (AVX2), float32 prepacked linears still cut the
+step and the blocks; bf16 cannot be prepacked there.
 
-Paths (`PATHS`):
+Paths (`PATHS`): ``stock``: the weights as loaded, oneDNN wherever torch sends them (what transformers does); ``dense``:
+the weights as loaded, passes of few rows with oneDNN switched off, blocks with it on; ``packed``: the linear weights
+prepacked for oneDNN (a tied output layer stays as it is), the rest as ``dense``.
 
-- ``stock``: the weights as loaded, oneDNN wherever torch sends them (what transformers does);
-- ``dense``: the weights as loaded; passes of few rows run with oneDNN switched off, blocks with it on;
-- ``packed``: the linear weights prepacked for oneDNN (a tied output layer stays as it is), the rest as ``dense``.
-
-`optimize` measures them on the model and keeps the fastest for its role: ``"target"``, a target that verifies blocks
-(a step and blocks of 2 to 8 tokens weigh alike), or ``"steps"``, a model that mostly runs 1-token steps (a draft, or
-a target decoding alone). The two can differ: on the machine above the packed path's 6-token block costs about as much
-as the dense path's step, but its step costs about 15% more than the dense path's. Weights are never duplicated: each
-layer is packed in place of its dense weight (``deoptimize`` restores them exactly). Every method then runs on the
-same optimized weights, so a comparison with target-only decoding is fair; p is whatever the optimized model computes,
-which rounds differently from the stock model, so the output law is exactly target-only decoding *with the optimized
-model*.
+`optimize` measures them on the model and keeps the fastest for its role: ``"target"``, a target that verifies blocks,
+or ``"steps"``, a model that mostly runs 1-token steps (a draft, or a target decoding alone). The two can differ: on the
+machine above the packed path's 6-token block costs about as much as the dense path's step, but its step costs about 15%
+more than the dense path's (what a target there loses in a round that drafts nothing: `CpuPath.step_loss`). Weights are
+never duplicated: each layer is packed in place of its dense weight (``deoptimize`` restores them exactly). Every method
+then runs on the same optimized weights, so a comparison with target-only decoding is fair; p is whatever the optimized
+model computes, which rounds differently from the stock model, so the output law is exactly target-only decoding *with
+the optimized model*.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import time
 import weakref
@@ -135,7 +134,16 @@ class CpuPath:
         lines = [f"CPU forward path: {self.name}" + (f" ({self.reason})" if self.reason else "")]
         for candidate, by_width in self.seconds.items():
             lines.append(f"  {candidate}: " + ", ".join(f"{w} tok {s * 1e3:.0f} ms" for w, s in by_width.items()))
+        if (loss := self.step_loss()) is not None and loss[1] != self.name:
+            lines.append(f"  plain steps (rounds that draft nothing) cost {loss[0]:.2f}x the fastest step ({loss[1]})")
         return "\n".join(lines)
+
+    def step_loss(self) -> tuple[float, str] | None:
+        """(this path's step / the fastest measured step, that step's path): what a plain step (a round drafting
+        nothing) loses at most to target-only decoding on the step path; ``None`` if this path's step was not timed."""
+        steps = {name: by_width[1] for name, by_width in self.seconds.items() if 1 in by_width}
+        fastest = min(steps, key=steps.__getitem__, default=None)
+        return (steps[self.name] / steps[fastest], fastest) if self.name in steps else None
 
 
 def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", widths: list[int] | None = None,
@@ -299,12 +307,8 @@ def _fastest(by_mode: dict[bool, dict[int, float]]) -> dict[int, float]:
 
 def _aten_rows(by_mode: dict[bool, dict[int, float]]) -> int:
     """The most rows up to which every measured pass ran faster with oneDNN off (0: oneDNN always)."""
-    rows = 0
-    for width in sorted(by_mode[True]):
-        if by_mode[False][width] >= by_mode[True][width]:
-            break
-        rows = width
-    return rows
+    faster_off = itertools.takewhile(lambda width: by_mode[False][width] < by_mode[True][width], sorted(by_mode[True]))
+    return max(faster_off, default=0)
 
 
 def _score(seconds: dict[int, float], role: str) -> float:
