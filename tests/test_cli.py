@@ -67,6 +67,8 @@ def test_k_auto_and_the_usual_aliases(capsys):
     (["eval-draft", *TINY, "--cost-ratio", "-1"], "--cost-ratio: must be a number > 0, got -1"),
     (["train-head", "--target", "tiny", "--output-dir", "/proc/no/such/x"], "--output-dir /proc/no/such/x: cannot"),
     (["train-head", "--target", "tiny", "--output-dir", "OUT", "--feature-layers", "99"], "--feature-layers 99"),
+    (["train-head", "--target", "tiny", "--output-dir", "OUT", "--ttt-decay", "1.5"], "--ttt-decay must be in (0, 1]"),
+    (["train-head", "--target", "tiny", "--output-dir", "OUT", "--warmup-steps", "200"], "--warmup-steps must be in"),
 ])
 def test_every_error_is_one_line_on_stderr_with_exit_code_2(capsys, tmp_path, argv, message):
     argv = [str(tmp_path / "out") if part == "OUT" else part for part in argv]

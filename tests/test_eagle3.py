@@ -300,7 +300,46 @@ def test_the_training_time_test_unrolls_the_head_as_it_drafts(target, head):
     assert not torch.allclose(broken[1].logits[0, 0], outputs[1].logits[0, 0], atol=1e-3)
 
 
+def test_each_head_kind_trains_with_its_own_recipe_unless_told_otherwise(target, tmp_path):
+    """An EAGLE-3 head warms up to a peak of 1e-4 (`RECIPES`); an EAGLE-1 head starts at 3e-4 without warm-up; a
+    learning rate given wins over either."""
+    from hf_spec.evaluation.head_training import train_head
+    from hf_spec.heads import DraftHead
+
+    sequences = [[5, 9, 2, 6, 5, 3, 7, 1, 4], [3, 8, 8, 1, 6, 2], [7, 7, 2, 9, 4, 1, 1]]
+    common = {"max_steps": 4, "eval_steps": 4, "logging_steps": 1, "disable_tqdm": True}
+
+    def rates(head, **arguments):
+        data = feature_dataset(target, sequences, head.config.feature_layers, progress=False)
+        _, history = train_head(target, data, data, tmp_path / "run", head=head, **common, **arguments)
+        return [entry["learning_rate"] for entry in history if "learning_rate" in entry]
+
+    eagle3 = rates(Eagle3Head.from_target(target, aux_layers=AUX).float(), ttt_steps=2)
+    assert eagle3[0] < max(eagle3) == pytest.approx(1e-4)  # a warm-up step, then the peak
+    eagle = rates(DraftHead.from_target(target).float())
+    assert eagle[0] == max(eagle) == pytest.approx(3e-4)  # no warm-up: the peak at the first step
+    assert max(rates(Eagle3Head.from_target(target, aux_layers=AUX).float(), learning_rate=5e-4)) == pytest.approx(
+        5e-4)
+
+
 # --- From training to generation ---------------------------------------------------------------------------------
+
+def test_the_training_time_test_weighs_block_position_j_by_the_decay_to_the_j(target, head):
+    """``ttt_decay`` d: the loss is (L_0 + d L_1 + d^2 L_2) / (1 + d + d^2), each L_j the loss at block position j
+    alone (found from the undecayed means over 1, 2 and 3 positions)."""
+    from hf_spec.evaluation.head_training import head_loss
+
+    batch = collate(list(feature_dataset(target, [[5, 9, 2, 6, 5, 3, 7, 1, 4], [3, 8, 8, 1, 6]], AUX,
+                                         progress=False)))
+    teacher = head.target_output_layer()
+    with torch.no_grad():
+        means = [float(head_loss(head, batch, teacher, 0.0, ttt_steps=n).loss) for n in (1, 2, 3)]
+        decayed = float(head_loss(head, batch, teacher, 0.0, ttt_steps=3, ttt_decay=0.5).loss)
+    alone = [means[0], 2 * means[1] - means[0], 3 * means[2] - 2 * means[1]]  # L_0, L_1, L_2
+    assert len({round(loss, 3) for loss in alone}) == 3  # the positions differ, so the weights show
+    assert decayed == pytest.approx((alone[0] + 0.5 * alone[1] + 0.25 * alone[2]) / 1.75, rel=1e-5)
+    assert decayed != pytest.approx(means[2], rel=1e-3)
+
 
 def test_train_head_eagle3_writes_a_servable_folder_that_generate_and_load_pair_run(tmp_path, capsys):
     from hf_spec.cli import main
@@ -309,8 +348,11 @@ def test_train_head_eagle3_writes_a_servable_folder_that_generate_and_load_pair_
     head_dir = tmp_path / "head"
     assert main(["train-head", "--target", "tiny", "--architecture", "eagle3", "--feature-layers", "0", "1", "2",
                  "--draft-vocab", "32", "--output-dir", str(head_dir), "--num-texts", "16", "--max-new-tokens", "12",
-                 "--max-steps", "4", "--eval-steps", "2", "--no-progress", "--output", str(tmp_path / "t.json")]) == 0
+                 "--max-steps", "4", "--eval-steps", "2", "--ttt-decay", "0.8", "--warmup-steps", "2",
+                 "--max-grad-norm", "0.5", "--no-progress", "--output", str(tmp_path / "t.json")]) == 0
     report = json.loads((tmp_path / "t.json").read_text())
+    assert {key: report["recipe"][key] for key in ("ttt_steps", "ttt_decay", "warmup_steps", "max_grad_norm")} == {
+        "ttt_steps": 3, "ttt_decay": 0.8, "warmup_steps": 2, "max_grad_norm": 0.5}
     assert len(report["after"]["agreement_by_position"]) == 3 and "eval_agreement_2" in report["learning_curve"][0]
     config = json.loads((head_dir / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 32

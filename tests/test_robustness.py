@@ -3,6 +3,7 @@ and the checks that must come before any work (each case a behaviour a user hit)
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import json
@@ -53,7 +54,7 @@ def test_token_counts_are_keyed_by_tokenizer_and_corpus_content(tmp_path):
     assert counts_path(tokenizer, ["abc"], tmp_path) != counts_path(tokenizer, ["abd"], tmp_path)
     assert counts_path(tokenizer, ["abc"], tmp_path) != counts_path(other, ["abc"], tmp_path)
     draft = make_tiny_model(seed=0, vocab_size=64)
-    ids = draft_vocabulary(draft, tokenizer, 4, ["aaaa bbb cc"], cache=tmp_path / "fresh" / "folder")
+    ids = draft_vocabulary(draft, tokenizer, 4, ["aaaa bbb cc"], cache=tmp_path / "fresh" / "folder", counted_on="text")
     assert set(ids) >= {tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")}
     assert list((tmp_path / "fresh" / "folder" / "token_counts").glob("*.json")), "the cache folder was made"
     assert not one.exists() and not two.exists(), "nothing is written beside a corpus or into a model folder"
@@ -74,7 +75,46 @@ def test_counts_from_another_tokenizer_are_refused_naming_the_file(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"source": "x", "counts": {"5": 3, "900": 2}}))
     with pytest.raises(ValueError, match=f"{path}.*outside the draft's 64 output ids.*Delete the file"):
-        draft_vocabulary(make_tiny_model(seed=0, vocab_size=64), tokenizer, 4, ["abc"], cache=tmp_path)
+        draft_vocabulary(make_tiny_model(seed=0, vocab_size=64), tokenizer, 4, ["abc"], cache=tmp_path,
+                         counted_on="text")
+
+
+def test_a_pruned_vocabulary_keeps_first_what_the_target_emits_then_the_corpus_counts(tmp_path):
+    """The default ranking: the ids of the target's own greedy continuations of the corpus's windows (counted as a
+    batch-of-one greedy run of each window gives them), then the corpus's most frequent ids; the corpus's counts alone
+    miss what the target emits. The continuation counts are cached per target."""
+    from hf_spec.loading.vocabulary import continuation_counts, eos_token_ids, token_counts
+
+    tokenizer, target = tiny_tokenizer(), make_tiny_model(seed=0, vocab_size=64)
+    texts = ["aaaa aaaa\nbbbb bbbb\nab ab ab", "aaab\nabab abab\nbbbb", "abba\nbaba baba\naaaa"]
+    counts = continuation_counts(target, tokenizer, texts, progress=False)  # 64 tokens after each text's window
+    eos = eos_token_ids(target) or {tokenizer.eos_token_id}
+    expected = collections.Counter()
+    for text in texts:
+        window = tokenizer(text[text.find("\n", len(text) // 2) + 1:], return_tensors="pt",
+                           add_special_tokens=False)["input_ids"][:, :96]
+        row = target.generate(window, max_new_tokens=64, do_sample=False, pad_token_id=0)[0, window.shape[1]:]
+        ends = [i for i, token in enumerate(row.tolist()) if token in eos]
+        expected.update(row.tolist()[: ends[0] + 1] if ends else row.tolist())
+    assert counts == expected and set(counts) - {tokenizer.convert_tokens_to_ids(c) for c in "ab \n"}
+    always = set(tokenizer.all_special_ids) | eos
+    size = len(set(counts) | always)
+    kept = draft_vocabulary(target, tokenizer, size, texts, cache=tmp_path, target=target)
+    assert set(kept) == set(counts) | always
+    in_text = token_counts(tokenizer, texts)
+    next_in_text = min((token for token in in_text if token not in kept), key=lambda t: (-in_text[t], t))
+    assert set(draft_vocabulary(target, tokenizer, size + 1, texts, cache=tmp_path, target=target)) == {
+        *kept, next_in_text}
+    by_text = draft_vocabulary(target, tokenizer, size, texts, cache=tmp_path, counted_on="text")
+    assert set(counts) - set(by_text), "the corpus alone ranks what the target emits lower"
+    cached = sorted((tmp_path / "token_counts").glob("*-continuations-*.json"))
+    assert len(cached) == 1
+    draft_vocabulary(target, tokenizer, size, texts, cache=tmp_path, target=make_tiny_model(seed=1, vocab_size=64))
+    assert len(sorted((tmp_path / "token_counts").glob("*-continuations-*.json"))) == 2, "another target, other counts"
+    with pytest.raises(ValueError, match="`counted_on='continuations'` counts the target's own continuations"):
+        draft_vocabulary(target, tokenizer, size, texts, cache=tmp_path)
+    with pytest.raises(ValueError, match="`counted_on` must be one of"):
+        draft_vocabulary(target, tokenizer, size, texts, cache=tmp_path, target=target, counted_on="emitted")
 
 
 def _dense(model):

@@ -3,7 +3,8 @@
 - quantized targets (``quantized=("nf4", ...)``): the target again, loaded quantized; every method runs on each;
 - other drafts (``drafts=(folder, ...)``): a draft model (same tokenizer) or a draft head trained for the target;
   the methods that use a draft run with each;
-- pruned drafts (``draft_vocab_sizes=(N, ...)``): the main draft with its output layer cut to N ids;
+- pruned drafts (``draft_vocab_sizes=(N, (N, "text"), ...)``): the main draft with its output layer cut to N ids,
+  ranked on the target's continuations (``vocab<N>``) or on the corpus's text alone (``vocab<N>-text``);
 - kernel baselines (``kernel_baselines=("stock", "steps")``): the target again, as loaded and on the CPU path fastest
   for 1-token steps, for target-only decoding beside the optimized pair (so a speed-up from kernels shows apart from
   one from speculation). Each copy holds the target's weights again.
@@ -28,7 +29,7 @@ KERNEL_LABELS = ("stock", "steps")
 
 
 def bench_variants(pair: Pair, target_name: str, *, quantized: tuple[str, ...] = (), drafts: tuple[str, ...] = (),
-                   draft_vocab_sizes: tuple[int, ...] = (), draft_vocab_corpus: str = "stdlib",
+                   draft_vocab_sizes: tuple[int | tuple[int, str], ...] = (), draft_vocab_corpus: str = "stdlib",
                    kernel_baselines: tuple[str, ...] = KERNEL_LABELS, optimize: bool = True,
                    seed: int = 0) -> dict:
     """Label -> a variant for `hf_spec.bench.runner.run_benchmark`: another target, or a (target, draft) pair.
@@ -46,13 +47,15 @@ def bench_variants(pair: Pair, target_name: str, *, quantized: tuple[str, ...] =
         if label in variants:
             raise ValueError(f"--draft-variants {name}: the label {label!r} is taken; rename the folder.")
         variants[label] = (target, _other_draft(pair, target_name, name, dtype, optimize, seed))
-    for size in draft_vocab_sizes:
+    for variant in draft_vocab_sizes:
+        size, counted_on = variant if isinstance(variant, tuple) else (variant, "continuations")
         draft = copy.deepcopy(pair.draft)
         packed.deoptimize(draft)
-        prune_vocabulary(draft, draft_vocabulary(draft, pair.tokenizer, size, draft_vocab_corpus))
+        prune_vocabulary(draft, draft_vocabulary(draft, pair.tokenizer, size, draft_vocab_corpus, target=target,
+                                                 counted_on=counted_on))
         if optimize:
             packed.optimize(draft, role="steps")
-        variants[f"vocab{size}"] = (target, draft)
+        variants[f"vocab{size}" + ("" if counted_on == "continuations" else f"-{counted_on}")] = (target, draft)
     if optimize and getattr(target.config, "quantization_config", None) is None:
         for label in dict.fromkeys(kernel_baselines):
             if label not in KERNEL_LABELS:

@@ -24,6 +24,7 @@ from hf_spec.extras import require
 from hf_spec.loading.pair import TINY
 from hf_spec.loading.quantization import SCHEMES
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE
+from hf_spec.loading.vocabulary import COUNTED_ON
 
 
 def _method(text: str) -> str:
@@ -32,6 +33,15 @@ def _method(text: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def vocab_variant(text: str) -> tuple[int, str]:
+    """``N`` or ``N:<counted on>`` (`hf_spec.loading.vocabulary.COUNTED_ON`) -> (N, counted on)."""
+    size, _, counted_on = text.partition(":")
+    counted_on = counted_on or "continuations"
+    if counted_on not in COUNTED_ON:
+        raise argparse.ArgumentTypeError(f"must be N or N:<one of {', '.join(COUNTED_ON)}>, got {text}")
+    return positive_int(size), counted_on
 
 
 def add_parser(commands) -> None:
@@ -57,9 +67,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--draft-variants", nargs="+", default=[], metavar="DRAFT",
                         help="also run every method that uses a draft with each of these drafts (built-in name or "
                              "folder: a draft model or a draft head; <method>@<folder name>)")
-    parser.add_argument("--draft-vocab-variants", nargs="+", type=positive_int, default=[], metavar="N",
-                        help="also run every method that uses a draft with the draft's output layer cut to its N "
-                             "most frequent ids (<method>@vocab<N>; ranked on --draft-vocab-corpus)")
+    parser.add_argument("--draft-vocab-variants", nargs="+", type=vocab_variant, default=[], metavar="N[:text]",
+                        help="also run every method that uses a draft with the draft's output layer cut to N ids, "
+                             "ranked on the target's continuations of --draft-vocab-corpus (<method>@vocab<N>), or "
+                             "with :text on the corpus's counts alone (<method>@vocab<N>-text)")
     parser.add_argument("--kernel-baselines", nargs="*", default=list(KERNEL_LABELS), choices=KERNEL_LABELS,
                         help="target-only decoding beside the optimized pair on another copy of the target: as loaded "
                              "(stock) and on the path fastest for steps (steps)")

@@ -19,6 +19,7 @@ from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.loading.pair import DTYPES, TINY, Pair, load_pair
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET
 from hf_spec.loading.quantization import SCHEMES
+from hf_spec.loading.vocabulary import COUNTED_ON
 
 # --- argparse types: each refuses a bad value by name, before any work ----------------------------------------------
 
@@ -113,6 +114,9 @@ def draft_arguments() -> argparse.ArgumentParser:
                        help="keep only the draft's N most frequent output ids (FR-Spec; exact: q = 0 elsewhere)")
     group.add_argument("--draft-vocab-corpus", default="stdlib",
                        help="texts ranking the ids for --draft-vocab: humaneval, humaneval-solutions, stdlib or a file")
+    group.add_argument("--draft-vocab-counts", choices=COUNTED_ON, default="continuations",
+                       help="rank the ids by how often the target emits them continuing the corpus's texts (then by "
+                            "the corpus's counts), or by the corpus's counts alone")
     return parser
 
 
@@ -194,7 +198,7 @@ def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None
     pair = load_pair(args.target, args.draft, dtype=args.dtype, quantize=args.quantize,
                      quantize_draft=args.quantize_draft, draft_dtype=draft_dtype, seed=args.seed,
                      optimize=optimize and not args.no_optimize, draft_vocab=args.draft_vocab,
-                     draft_vocab_corpus=args.draft_vocab_corpus)
+                     draft_vocab_corpus=args.draft_vocab_corpus, draft_vocab_counts=args.draft_vocab_counts)
     if pair.target.name_or_path in ("", TINY):
         log("built-in tiny pair: random-weight Llama target and a perturbed copy as draft (random text)")
     log(pair.describe())

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.output, "--output")
     prepare_folder(args.output_dir, "--output-dir")
     # the draft trains in float32 (bf16 weights would round small updates away); --dtype sets the teacher's
-    args.quantize_draft, args.draft_vocab, args.draft_vocab_corpus = None, None, "stdlib"
+    args.quantize_draft, args.draft_vocab = None, None  # a whole output layer, in float32
+    args.draft_vocab_corpus, args.draft_vocab_counts = "stdlib", "continuations"  # unused without --draft-vocab
     pair = load_models(args, draft_dtype=torch.float32, optimize=False)
     pair.check_same_tokenizer("distillation")
     if args.plain_text:

@@ -28,6 +28,7 @@ from hf_spec.cli.common import (
     texts,
 )
 from hf_spec.extras import require_extra
+from hf_spec.loading.vocabulary import COUNTED_ON
 
 
 def add_parser(commands) -> None:
@@ -48,18 +49,30 @@ def add_parser(commands) -> None:
     parser.add_argument("--ttt-steps", type=positive_int, default=None,
                         help="block positions trained, the head reading its own predictions after the first "
                              "(EAGLE-3's training-time test) (default: 1 for eagle, 3 for eagle3)")
+    parser.add_argument("--ttt-decay", type=positive_float, default=None,
+                        help="weight ratio between consecutive block positions in the loss (default: 0.8 for eagle3, "
+                             "as EAGLE-3; 1 for eagle)")
     parser.add_argument("--num-layers", type=positive_int, default=1, help="decoder layers in the head")
     parser.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
                         help="keep only the N most frequent output ids in the head's LM head (FR-Spec; eagle3: "
                              "the draft vocabulary, d2t/t2d)")
     parser.add_argument("--draft-vocab-corpus", default="stdlib", help="texts ranking the ids for --draft-vocab")
+    parser.add_argument("--draft-vocab-counts", choices=COUNTED_ON, default="continuations",
+                        help="rank the ids by how often the target emits them continuing the corpus's texts (then by "
+                             "the corpus's counts), or by the corpus's counts alone")
     parser.add_argument("--plain-text", action="store_true", help="train on the texts, not on continuations")
     parser.add_argument("--max-length", type=positive_int, default=256, help="tokens per plain-text sequence")
     parser.add_argument("--eval-fraction", type=float, default=0.1, help="held-out share of the sequences")
     parser.add_argument("--max-steps", type=positive_int, default=200, help="optimizer steps")
     parser.add_argument("--eval-steps", type=positive_int, default=20, help="steps between held-out evaluations")
     parser.add_argument("--patience", type=positive_int, default=3, help="evaluations without improvement")
-    parser.add_argument("--learning-rate", type=positive_float, default=3e-4, help="peak learning rate")
+    parser.add_argument("--learning-rate", type=positive_float, default=None,
+                        help="peak learning rate (default: 1e-4 for eagle3, 3e-4 for eagle)")
+    parser.add_argument("--warmup-steps", type=float, default=None,
+                        help="steps of linear learning-rate warm-up before the linear decay, or below 1 a share of "
+                             "--max-steps (default: 0.1 for eagle3, 0 for eagle)")
+    parser.add_argument("--max-grad-norm", type=positive_float, default=None,
+                        help="gradient clipping norm (default: 0.5 for eagle3, 1 for eagle)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step and device")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
@@ -76,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.eval_fraction < 1:
         raise ValueError(f"--eval-fraction must be in (0, 1), but is {args.eval_fraction}.")
+    if args.ttt_decay is not None and not args.ttt_decay <= 1:
+        raise ValueError(f"--ttt-decay must be in (0, 1], but is {args.ttt_decay}.")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.max_steps:
+        raise ValueError(f"--warmup-steps must be in [0, --max-steps), but is {args.warmup_steps}.")
     check_writable(args.output, "--output")
     prepare_folder(args.output_dir, "--output-dir")
     if args.threads is not None:
@@ -95,13 +112,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--architecture eagle3: {error} (--feature-layers)") from None
     kept_ids = None
     if args.draft_vocab is not None:
-        kept_ids = draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus)
+        kept_ids = draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus, target=target,
+                                    counted_on=args.draft_vocab_counts)
     run_ = train_and_evaluate_head(
         target, training_sequences(args, target, tokenizer, Path(args.output_dir)), args.output_dir,
         architecture=args.architecture, feature_layers=args.feature_layers, num_layers=args.num_layers,
-        kept_ids=kept_ids, ttt_steps=args.ttt_steps,
-        eval_fraction=args.eval_fraction, progress=not args.no_progress, patience=args.patience,
-        max_steps=args.max_steps, eval_steps=args.eval_steps, learning_rate=args.learning_rate,
+        kept_ids=kept_ids, ttt_steps=args.ttt_steps, eval_fraction=args.eval_fraction, progress=not args.no_progress,
+        patience=args.patience, max_steps=args.max_steps, eval_steps=args.eval_steps, **recipe_flags(args),
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size, seed=args.seed,
         disable_tqdm=args.no_progress,
     )
@@ -112,6 +129,14 @@ def run(args: argparse.Namespace) -> int:
     emit(args, report, f"held-out agreement at block position 0: {run_.before['agreement']:.3f} untrained -> "
                        f"{run_.after['agreement']:.3f}; head saved in {args.output_dir}")
     return 0
+
+
+def recipe_flags(args: argparse.Namespace) -> dict:
+    """The optimiser flags given; the others come from the head kind's recipe
+    (`hf_spec.evaluation.head_training.RECIPES`)."""
+    flags = {"ttt_decay": args.ttt_decay, "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
+             "learning_rate": args.learning_rate}
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 def training_sequences(args: argparse.Namespace, target, tokenizer, output_dir: Path) -> list[list[int]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from hf_spec.evaluation.head_training import evaluate_head, feature_dataset, train_head
+from hf_spec.evaluation.head_training import RECIPES, evaluate_head, feature_dataset, train_head
 from hf_spec.extras import require, require_extra
 from hf_spec.heads.base import DraftHeadBase
 from hf_spec.heads.eagle3 import Eagle3Head
@@ -41,10 +41,11 @@ class HeadRun:
     history: list[dict]  # the Trainer's log history
     num_train: int
     num_held_out: int
+    recipe: dict  # architecture, ttt_steps and the training arguments given (learning rate, warm-up, decay, ...)
 
     def to_dict(self) -> dict:
         return {"before": self.before, "after": self.after, "learning_curve": self.curve,
-                "train_sequences": self.num_train, "held_out_sequences": self.num_held_out,
+                "train_sequences": self.num_train, "held_out_sequences": self.num_held_out, "recipe": self.recipe,
                 "log_history": self.history}
 
 
@@ -104,7 +105,9 @@ def train_and_evaluate_head(target: PreTrainedModel, sequences: list[list[int]],
             shutil.rmtree(checkpoint)
         (output_dir / "learning_curve.json").write_text(json.dumps(curve, indent=2))
         plot_curve(curve, before["agreement_by_position"], output_dir / "learning_curve.png")
-    return HeadRun(head, before, after, curve, history, len(train), len(held_out))
+    recipe = {"architecture": architecture, "ttt_steps": ttt_steps, "feature_layers": feature_layers,
+              **RECIPES[architecture], **training_arguments}
+    return HeadRun(head, before, after, curve, history, len(train), len(held_out), recipe)
 
 
 def plot_curve(curve: list[dict], start: float | list[float], path: Path) -> None:

@@ -120,7 +120,7 @@ class Pair:
 def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype: torch.dtype | str = "fastest",
               quantize: str | None = None, quantize_draft: str | None = None, draft_dtype: torch.dtype | None = None,
               optimize: bool = True, draft_vocab: int | None = None, draft_vocab_corpus: str | list[str] = "stdlib",
-              seed: int = 0) -> Pair:
+              draft_vocab_counts: str = "continuations", seed: int = 0) -> Pair:
     """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"``; ``draft`` may also be a
     folder with a draft head trained for ``target``: a `DraftHead`, or an EAGLE-3 head in the speculators format),
     and prepare them as `prepare_pair` does.
@@ -134,7 +134,9 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             quantized target is spread by ``device_map="auto"``, and the draft goes to its first device.
         draft_dtype: the draft's weights when they should differ (training keeps float32).
         draft_vocab: keep only the draft's N most frequent output ids (FR-Spec, `hf_spec.drafting.vocabulary`),
-            counted on ``draft_vocab_corpus`` (`hf_spec.loading.vocabulary`: counted once, cached by content).
+            counted on the target's greedy continuations of ``draft_vocab_corpus`` then on the corpus itself
+            (``draft_vocab_counts="continuations"``), or on the corpus alone (``"text"``) (`hf_spec.loading.vocabulary`:
+            counted once, cached by content).
         seed: seeds the tiny pair's weights.
 
     Raises:
@@ -160,7 +162,9 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             if other_tokenizer is not None:
                 raise ValueError(f"`draft_vocab` {draft_vocab}: `draft` {draft!r} has a tokenizer of its own, and a "
                                  "pruned vocabulary keeps target ids; drop `draft_vocab`.")
-            prune_vocabulary(draft_model, draft_vocabulary(draft_model, tokenizer, draft_vocab, draft_vocab_corpus))
+            kept = draft_vocabulary(draft_model, tokenizer, draft_vocab, draft_vocab_corpus, target=target_model,
+                                    counted_on=draft_vocab_counts)
+            prune_vocabulary(draft_model, kept)
         pair = prepare_pair(target_model, draft_model, tokenizer, optimize=optimize)
         pair.draft_tokenizer = other_tokenizer
         return pair
