@@ -102,6 +102,8 @@ def test_frequent_ids_from_a_corpus_through_datasets():
     assert frequent_token_ids(counts, 2) == [0, 1]
     assert frequent_token_ids(counts, 3, always=[15]) == [0, 1, 15]  # specials always kept
     assert frequent_token_ids(counts, 3) == [0, 1, 2]  # ties broken by id
+    assert frequent_token_ids(counts, 7, always=[15]) == [0, 1, 2, 3, 15]  # no more ids counted
+    assert frequent_token_ids(counts, 7, always=[15], num_ids=16) == [0, 1, 2, 3, 4, 5, 15]  # the lowest ids fill up
     with pytest.raises(ValueError, match="corpus is empty"):
         token_counts(tokenizer, ["", ""])
     with pytest.raises(ValueError, match="`draft_vocab` must be a positive integer, but is 0"):

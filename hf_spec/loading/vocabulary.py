@@ -5,6 +5,7 @@ By default (``counted_on="continuations"``, FR-Spec's advice) the ranking is by 
 when it continues, greedily, windows of the corpus's texts (`continuation_counts`): the drafted tokens a pruned draft
 must keep are the ones the target accepts. Those counts cover a few thousand tokens, so ties and the ids the target
 never emitted are ranked by their count in the corpus itself. ``counted_on="text"`` ranks by the corpus counts alone.
+Places left when no count reaches ``size`` ids go to the lowest ids not in yet (`frequent_token_ids`).
 
 The counts of a corpus under a tokenizer are computed once (`token_counts`, through ``datasets``) and kept in
 ``$HF_SPEC_CACHE/token_counts/`` under a name made of two hashes: of the tokenizer (its whole serialized form:
@@ -74,7 +75,7 @@ def draft_vocabulary(draft: PreTrainedModel, tokenizer, size: int, corpus: str |
                           num_ids)
     always = set(tokenizer.all_special_ids) | eos_token_ids(draft)
     return frequent_token_ids(emitted, size, always=sorted(token for token in always if token < num_ids),
-                              then_by=counts)
+                              then_by=counts, num_ids=num_ids)
 
 
 def _cached(path: Path, count, source: str, num_ids: int) -> collections.Counter:
@@ -166,9 +167,11 @@ def token_counts(tokenizer, texts: Iterable[str]) -> collections.Counter:
 
 
 def frequent_token_ids(counts: collections.Counter, size: int, always: Iterable[int] = (),
-                       then_by: collections.Counter | None = None) -> list[int]:
+                       then_by: collections.Counter | None = None, num_ids: int | None = None) -> list[int]:
     """The ``size`` most frequent ids (ties by their count in ``then_by``, then by id; ids only ``then_by`` holds
-    come after), with the ``always`` ids (EOS and other special tokens) in."""
+    come after), with the ``always`` ids (EOS and other special tokens) in. With ``num_ids``, the places no count
+    fills go to the lowest ids below it that are not in yet: BPE tokenizers number their tokens in merge order, so a
+    lower id was merged from a more frequent pair."""
     check_int("draft_vocab", size)
     always = list(dict.fromkeys(always))
     then_by = then_by or collections.Counter()
@@ -176,7 +179,11 @@ def frequent_token_ids(counts: collections.Counter, size: int, always: Iterable[
               if token not in always]
     if size < len(always):
         raise ValueError(f"`draft_vocab` ({size}) must be at least the {len(always)} special ids kept always.")
-    return sorted(always + ranked[: size - len(always)])
+    kept = always + ranked[: size - len(always)]
+    if num_ids is not None and len(kept) < size:
+        taken = set(kept)
+        kept += [token for token in range(num_ids) if token not in taken][: size - len(kept)]
+    return sorted(kept)
 
 
 def write_counts(counts: collections.Counter, path: Path, source: str) -> None:
