@@ -124,7 +124,8 @@ def speculative_decode(
             # tree's nodes sit after the committed positions, so the crop drops them too).
             roll_back(target_cache, rounds.drafter, batch.model_ids.shape[1] - 1, None)
 
-    stats.profile = None if profile is None else profile.seconds
+    if profile is not None:
+        stats.profile, stats.profile_passes = profile.seconds, profile.passes
     scores, logits = recorder.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
 

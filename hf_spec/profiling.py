@@ -7,8 +7,9 @@
 Sections (`SECTIONS`), from timestamps at the loop's step boundaries and around every model forward pass that goes
 through `hf_spec.forward` (a draft model's and the target's; a draft head's passes are timed with its drafting):
 
-- ``draft forward``: the draft model's passes that feed one token; ``draft catch-up``: those that feed more (the
-  tokens it has not read yet: the previous round's last accepted token and the bonus token, or a prompt);
+- ``draft prefill``: the draft model's first pass of the call (the prompt); ``draft forward``: its passes that feed
+  one token; ``draft catch-up``: the later ones that feed more (the tokens it has not read yet: the previous round's
+  last accepted token and the bonus token, or what rounds that drafted nothing skipped);
 - ``drafting, other``: the rest of step 1 (the processor chain and softmax on the draft's logits, sampling, a
   head's passes, Python);
 - ``target forward``: the verify pass (round 1: with the prompt's prefill);
@@ -17,6 +18,9 @@ through `hf_spec.forward` (a draft model's and the target's; a draft head's pass
 - ``host sync``: reading the accepted counts and the numerical checks back (waits for the device);
 - ``stopping``: the stopping criteria (step 4, which reads the device once more);
 - ``bookkeeping``: recording outputs, the sizer, commit and rollback (step 5).
+
+``passes`` counts the forward passes of the four forward sections, so that a pass's cost in the run itself can be
+set beside the cost probe's (`hf_spec.bench.formula`).
 
 Off by default: without the context the loop takes no extra timestamps. With it, on an accelerator each boundary
 synchronizes the device, so that a section holds its own kernels (and the sections no longer overlap). The context
@@ -32,8 +36,10 @@ from collections.abc import Iterator
 
 import torch
 
-SECTIONS = ("draft forward", "draft catch-up", "drafting, other", "target forward", "processors and acceptance",
-            "host sync", "stopping", "bookkeeping")
+SECTIONS = ("draft prefill", "draft forward", "draft catch-up", "drafting, other", "target forward",
+            "processors and acceptance", "host sync", "stopping", "bookkeeping")
+#: The sections that hold forward passes (`CallProfile.passes` counts them).
+FORWARD_SECTIONS = ("draft prefill", "draft forward", "draft catch-up", "target forward")
 
 _IS_PROFILING: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_spec_profiling", default=False)
 _CALL: contextvars.ContextVar[CallProfile | None] = contextvars.ContextVar("hf_spec_call_profile", default=None)
@@ -55,6 +61,7 @@ class CallProfile:
     def __init__(self, target: torch.nn.Module, device: torch.device):
         self.target, self.device = target, device
         self.seconds = dict.fromkeys(SECTIONS, 0.0)
+        self.passes = dict.fromkeys(FORWARD_SECTIONS, 0)
         self._forward = {"draft": 0.0, "target": 0.0}  # forward seconds inside the current section
 
     def sync(self) -> float:
@@ -64,11 +71,14 @@ class CallProfile:
 
     def add_forward(self, model: torch.nn.Module, num_fed: int, seconds: float) -> None:
         if model is self.target:
-            self.seconds["target forward"] += seconds
-            self._forward["target"] += seconds
+            section, role = "target forward", "target"
         else:
-            self.seconds["draft forward" if num_fed <= 1 else "draft catch-up"] += seconds
-            self._forward["draft"] += seconds
+            first = not any(self.passes[name] for name in FORWARD_SECTIONS[:3])
+            section = "draft prefill" if first else "draft forward" if num_fed <= 1 else "draft catch-up"
+            role = "draft"
+        self.seconds[section] += seconds
+        self.passes[section] += 1
+        self._forward[role] += seconds
 
     def close_section(self, section: str, seconds: float) -> None:
         """A section's wall time less the forward passes already counted in it."""

@@ -31,7 +31,8 @@ class SpeculativeStats:
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
         rows: per batch row, in the input's order.
         profile: seconds per section of the loop (`hf_spec.profiling.SECTIONS`) when the call ran inside
-            `hf_spec.profiling.profile_rounds`, else ``None``.
+            `hf_spec.profiling.profile_rounds`, else ``None``; ``profile_passes``: forward passes per section
+            (`hf_spec.profiling.FORWARD_SECTIONS`) then.
     """
 
     num_rounds: int = 0
@@ -46,6 +47,7 @@ class SpeculativeStats:
     verify_seconds: float = 0.0
     rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
     profile: dict[str, float] | None = None
+    profile_passes: dict[str, int] | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,9 +84,11 @@ class SpeculativeStats:
                 _grow(mine, len(theirs))
                 for i, count in enumerate(theirs):
                     mine[i] += count
-            if stats.profile is not None:
-                total.profile = {name: (total.profile or {}).get(name, 0.0) + seconds
-                                 for name, seconds in stats.profile.items()}
+            for name in ("profile", "profile_passes"):
+                if getattr(stats, name) is not None:
+                    mine = getattr(total, name) or {}
+                    setattr(total, name, {section: mine.get(section, 0) + value
+                                          for section, value in getattr(stats, name).items()})
         return total
 
     def record_seconds(self, draft_seconds: float, verify_seconds: float) -> None:

@@ -30,7 +30,9 @@ RESULT_FIELDS = {
     "predicted_speedup", "speedup_vs_stock_target_only", "speedup_vs_best_target_only",
     "predicted_speedup_block_cost", "share_of_predicted", "share_of_predicted_block_cost", "latency_p50_seconds",
     "latency_p90_seconds", "weights_bytes", "working_memory_bytes", "peak_memory_bytes", "identical_to_target_only",
-    "speedup_median", "speedup_min", "speedup_max", "modelled_speedup", "profile_shares",
+    "speedup_median", "speedup_min", "speedup_max", "modelled_speedup", "profile_shares", "probe_cost_ratio",
+    "probe_block_cost", "in_run_cost_ratio", "in_run_block_cost", "predicted_speedup_in_run",
+    "share_of_predicted_in_run", "lost_to_draft_prefill_and_catch_up", "lost_outside_the_passes",
 }
 
 
@@ -132,6 +134,7 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
         if key[2] == "hf_spec":  # the CPU default profiles: the sections and what lies outside them make the whole
             assert sum(row["profile_shares"].values()) == pytest.approx(1.0, abs=1e-6)
             assert min(row["profile_shares"].values()) >= 0 and row["profile_shares"]["target forward"] > 0
+            assert row["share_of_predicted_in_run"] > 0 and row["predicted_speedup_in_run"] > 0
     for workload in ("code", "prose"):
         ours, theirs = results[(workload, "greedy", "hf_spec")], results[(workload, "greedy", "transformers")]
         assert ours["identical_to_target_only"] == 1.0 and theirs["identical_to_target_only"] == 1.0
@@ -307,3 +310,59 @@ def test_a_compiled_method_compiles_in_its_warm_up_and_not_while_timed(tmp_path,
     assert report["config"]["graphs_compiled_while_timed"] == {"hf_spec_k3_compiled": 0}
     rows = {row["method"]: row for row in report["results"]}
     assert rows["hf_spec_k3_compiled"]["identical_to_target_only"] == 1.0
+
+
+def test_the_profile_counts_the_draft_prefill_its_steps_and_catch_ups():
+    """A draft equal to the target accepts every block: round 1 reads the prompt (the draft's prefill), and every
+    later round starts with a 2-token catch-up (the last drafted token and the bonus token), then k - 1 steps."""
+    from hf_spec.profiling import FORWARD_SECTIONS, profile_rounds
+
+    target, draft = build_tiny_pair(seed=4, draft_noise=0.0)
+    target, k = speculative(target), 3
+    with profile_rounds(), ForwardCounter(draft) as draft_calls:
+        output = target.generate(torch.tensor([[1, 2, 3, 4]]), assistant_model=draft, num_assistant_tokens=k,
+                                 do_sample=False, max_new_tokens=4 * (k + 1), return_dict_in_generate=True)
+    stats = output.speculative_stats
+    assert stats.num_accepted == stats.num_draft_tokens == 4 * k and stats.num_rounds == 4
+    assert set(stats.profile_passes) == set(FORWARD_SECTIONS)
+    assert stats.profile_passes == {"draft prefill": 1, "draft forward": 4 * (k - 1), "draft catch-up": 3,
+                                    "target forward": 4}
+    assert sum(stats.profile_passes[name] for name in FORWARD_SECTIONS[:3]) == draft_calls.count
+    assert all(stats.profile[name] > 0 for name in FORWARD_SECTIONS)
+    plain = target.generate(torch.tensor([[1, 2, 3, 4]]), assistant_model=draft, num_assistant_tokens=k,
+                            do_sample=False, max_new_tokens=4, return_dict_in_generate=True)
+    assert plain.speculative_stats.profile is None and plain.speculative_stats.profile_passes is None
+
+
+def _profiled_run(seconds: float, profile: dict, passes: dict, new_tokens: int, prompt: int = 0):
+    from hf_spec.bench.report import Run
+
+    return Run("code", "greedy", "hf_spec", prompt, 0, seconds, new_tokens, passes.get("target forward", new_tokens),
+               0, None, None, None, profile=profile, profile_passes=passes)
+
+
+def test_the_formula_at_the_runs_own_costs_and_where_the_rest_goes():
+    """k = 2, 10 rounds of 2.5 tokens (alpha 0.5 at k = 2 gives 1.75: here 25 tokens over 10 passes); target-only
+    costs 0.1 s a token, a draft step 0.02 s, a verify pass 0.12 s: the formula's round is 2 x 0.02 + 0.12 s."""
+    from hf_spec.bench.formula import in_run_prediction
+
+    k, rounds, tokens = 2, 10, 25
+    profile = {"draft prefill": 0.05, "draft forward": 0.02 * 9, "draft catch-up": 0.03 * 10,
+               "target forward": 0.12 * rounds}
+    passes = {"draft prefill": 1, "draft forward": 9, "draft catch-up": 10, "target forward": rounds}
+    forward = sum(profile.values())
+    method = [_profiled_run(forward + 0.25, profile, passes, tokens)]
+    baseline = [_profiled_run(0.1 * 40, {}, {}, 40)]
+    result = in_run_prediction(method, baseline, k)
+    assert result["in_run_cost_ratio"] == pytest.approx(0.2) and result["in_run_block_cost"] == pytest.approx(1.2)
+    alpha = acceptance_from_tokens_per_pass(tokens / rounds, k)
+    assert result["predicted_speedup_in_run"] == pytest.approx(predicted_speedup(alpha, k, 0.2, 1.2))
+    priced = rounds * (k * 0.02 + 0.12)  # what the formula counts
+    assert result["share_of_predicted_in_run"] == pytest.approx(priced / method[0].seconds)
+    assert result["lost_to_draft_prefill_and_catch_up"] == pytest.approx((0.03 + 0.01 * 10) / method[0].seconds)
+    assert result["lost_outside_the_passes"] == pytest.approx(0.25 / method[0].seconds)
+    # what the formula counts and what it leaves out make the whole wall time (here k x rounds = all draft passes)
+    assert (result["share_of_predicted_in_run"] + result["lost_to_draft_prefill_and_catch_up"]
+            + result["lost_outside_the_passes"]) == pytest.approx(1.0)
+    assert in_run_prediction(method, baseline, None)["share_of_predicted_in_run"] is None, "no fixed k"
+    assert in_run_prediction(method, [_profiled_run(4.0, {}, {}, 40, prompt=1)], k)["in_run_cost_ratio"] is None

@@ -1,15 +1,8 @@
 """The report of `hf-spec bench`: one row per (workload, setting, method), the formula's prediction, a Markdown
 table and a plot.
 
-The speed-up predicted by the formula (`hf_spec.drafting.speedup`) uses the per-token acceptance ``alpha`` that
-explains the measured tokens per target pass, and the draft/target cost ratio ``c`` of single-token steps measured
-before the runs::
-
-    predicted = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c))
-
-The formula assumes a (k+1)-token verify pass costs one target step. ``predicted_block_cost`` replaces that 1 by the
-measured cost ratio ``b`` of a (k+1)-token block to a step, so the share of it that a method reaches is what its own
-overhead leaves. It applies to methods that draft a fixed k with a draft model.
+The formula's prediction for a method drafting a fixed k with a draft model, at the cost probe's figures and at the
+costs of the run's own passes, and the share of each it reaches: `hf_spec.bench.formula`.
 
 For every method, ``modelled_speedup`` prices the passes a method actually ran (target passes at their mean block
 size, draft passes) at the cost probe's figures, against target-only steps at the same figures: it compares the
@@ -25,8 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from hf_spec.bench.formula import format_formula_table, in_run_prediction, probe_prediction
 from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 from hf_spec.extras import require
 
 #: Every workload together, per setting: a mixed workload.
@@ -56,6 +49,7 @@ class Run:
     new_ids: list[int] | None = None  # what the call generated (up to and including the first EOS)
     text: str | None = None  # ``new_ids`` decoded, when a tokenizer was given
     profile: dict[str, float] | None = None  # hf_spec's loop, seconds per section (`hf_spec.profiling`)
+    profile_passes: dict[str, int] | None = None  # and forward passes per section
     error: str | None = None  # transformers' own method raised (the call is reported, left out of every figure)
 
 
@@ -124,7 +118,9 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
         row["speedup_vs_stock_target_only"] = row["tokens_per_second"] / stock["tokens_per_second"] if stock else None
         best = max(by_key[(*key, name)]["tokens_per_second"] for name in KERNEL_BASELINES if (*key, name) in by_key)
         row["speedup_vs_best_target_only"] = row["tokens_per_second"] / best
-        row.update(_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
+        row.update(probe_prediction(row, costs.get(row["workload"] + variant), method_k[row["method"]]))
+        row.update(in_run_prediction(groups[(*key, row["method"])], groups[(*key, own["method"])],
+                                     method_k[row["method"]]))
         row.update(_spread(groups, [key] if key[0] != ALL_WORKLOADS else [(name, key[1]) for name in workloads],
                            row["method"], own["method"]))
         row["modelled_speedup"] = _modelled(groups[(*key, row["method"])], cost_table) if not variant else None
@@ -177,22 +173,6 @@ def variant_suffix(method: str) -> str:
     return at + label
 
 
-def _prediction(row: dict, costs: CostTable | None, k: int | None) -> dict:
-    """The formula's speed-up for a method drafting exactly k tokens per pass over target-only decoding with the
-    same target (``own_target_only``), and the share of it measured."""
-    if k is None or costs is None:
-        return dict.fromkeys(("alpha", "predicted_speedup", "predicted_speedup_block_cost", "share_of_predicted",
-                              "share_of_predicted_block_cost"))
-    alpha = acceptance_from_tokens_per_pass(row["tokens_per_target_pass"], k)
-    predicted = predicted_speedup(alpha, k, costs.cost_ratio)
-    predicted_block = predicted_speedup(alpha, k, costs.cost_ratio, costs.block_cost(k))
-    return {
-        "alpha": alpha, "predicted_speedup": predicted, "predicted_speedup_block_cost": predicted_block,
-        "share_of_predicted": row["speedup_vs_own_target_only"] / predicted,
-        "share_of_predicted_block_cost": row["speedup_vs_own_target_only"] / predicted_block,
-    }
-
-
 def format_table(report: dict) -> str:
     """The results as a Markdown table."""
     def number(value, spec, unit=""):
@@ -241,6 +221,8 @@ def format_table(report: dict) -> str:
                   "|" + "---|" * (3 + len(sections))]
         lines += [f"| {row['workload']} | {row['setting']} | {row['method']} | "
                   + " | ".join(f"{row['profile_shares'][name]:.0%}" for name in sections) + " |" for row in profiled]
+    formula = format_formula_table([row for row in report["results"] if row["workload"] != ALL_WORKLOADS])
+    lines += ["", formula] if formula else []
     costs = "; ".join(
         f"{name}: c = {c['cost_ratio']:.2f}, "
         + ", ".join(f"b(k={k}) = {b:.2f}" for k, b in c["block_cost_by_k"].items())
