@@ -1,5 +1,6 @@
-"""Drafts with another tokenizer (`hf_spec.drafting.cross_tokenizer`): the target's law when sampling, with a
-negative control; greedy output equal to target-only in ragged batches; the draft's cached grid (holes included)
+"""Drafts with another tokenizer (`hf_spec.drafting.cross_tokenizer`): the target's law when sampling, by token-level
+intersection and by string matching, each with a negative control; greedy output equal to target-only in ragged
+batches for both; the string proposal is the draft's greedy text; the draft's cached grid (holes included)
 reads exactly the re-tokenized text; the vocabulary map; refusals by name."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 import hf_spec
 import hf_spec.drafting.cross_tokenizer as cross
 from hf_spec.compat import is_rewired_by_universal_assisted_generation
-from hf_spec.drafting.cross_tokenizer import CrossTokenizerDrafter, to_target_space, vocabulary_map
+from hf_spec.drafting.cross_tokenizer import MATCHINGS, CrossTokenizerDrafter, to_target_space, vocabulary_map
 from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.pretrained import is_converted
 
@@ -81,6 +82,35 @@ def test_negative_control_q_without_the_processor_chain_is_caught(small_target, 
     assert not result.is_consistent, result
 
 
+@pytest.mark.parametrize("case", ["temperature_1", "combined_chain_k4"])
+def test_string_matching_samples_the_target_law(small_target, small_pair, case):
+    """The draft's greedy text, cut into target tokens, proposed as point masses (forced on when sampling)."""
+    tokenizer, draft_tokenizer, draft = small_pair
+    k, settings, user_processors = CASES[case]
+    drafter = CrossTokenizerDrafter(draft, tokenizer, draft_tokenizer, matching="string")
+    samples = sample_speculative(small_target, drafter, settings, user_processors, k, seed=43)
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+def test_negative_control_string_matching_with_q_on_another_token_is_caught(small_target, small_pair, monkeypatch):
+    """Broken: the point mass that the acceptance rule reads sits on the next id, not on the token proposed."""
+    original = cross.point_mass_proposal
+
+    def shifted_law(candidates, batch, context):
+        proposal = original(candidates, batch, context)
+        shifted = proposal.draft_probs.roll(1, dims=-1)
+        return cross.Proposal(proposal.draft_ids, shifted, proposal.is_invalid, proposal.num_model_steps)
+
+    monkeypatch.setattr(cross, "point_mass_proposal", shifted_law)
+    tokenizer, draft_tokenizer, draft = small_pair
+    k, settings, user_processors = CASES["temperature_1"]
+    drafter = CrossTokenizerDrafter(draft, tokenizer, draft_tokenizer, matching="string")
+    samples = sample_speculative(small_target, drafter, settings, user_processors, k, seed=43)
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert not result.is_consistent, result
+
+
 def test_samples_are_drafted_and_accepted(small_target, small_pair):
     tokenizer, draft_tokenizer, draft = small_pair
     output = small_target.generate(PROMPT.expand(NUM_SAMPLES // 10, -1), assistant_model=draft, do_sample=True,
@@ -97,15 +127,51 @@ def letters_pair(target):
     return letters_tokenizer(16), draft_tokenizer, make_tiny_model(seed=22, vocab_size=len(draft_tokenizer))
 
 
-def test_greedy_output_equals_target_only_in_a_ragged_batch(target, letters_pair):
+@pytest.mark.parametrize("matching", MATCHINGS)
+def test_greedy_output_equals_target_only_in_a_ragged_batch(target, letters_pair, matching):
     tokenizer, draft_tokenizer, draft = letters_pair
     input_ids, mask = left_padded([[3, 1, 4], [1, 5, 9, 2, 6, 5, 3], [0, 1, 2, 3, 0, 1, 2, 3, 10, 11, 12]])
     expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     for k in (1, 3, "auto"):
-        output = target.generate(input_ids, attention_mask=mask, assistant_model=draft, tokenizer=tokenizer,
-                                 assistant_tokenizer=draft_tokenizer, num_assistant_tokens=k, max_new_tokens=24,
-                                 do_sample=False, pad_token_id=PAD, return_dict_in_generate=True)
+        drafter = {"assistant_model": draft, "tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
+        if matching != "auto":  # the drafter itself, to choose its matching
+            drafter = {"assistant_model": CrossTokenizerDrafter(draft, tokenizer, draft_tokenizer, matching)}
+        output = target.generate(input_ids, attention_mask=mask, **drafter, num_assistant_tokens=k,
+                                 max_new_tokens=24, do_sample=False, pad_token_id=PAD, return_dict_in_generate=True)
         assert torch.equal(output.sequences, expected), k
+        assert k == "auto" or output.speculative_stats.num_accepted > 0, k  # auto may stop drafting
+
+
+def test_string_matching_proposes_the_drafts_greedy_text_in_target_tokens(target, letters_pair, monkeypatch):
+    """Round 1's proposal is what the draft alone writes greedily after the prompt's text, tokenized by the target's
+    tokenizer; the confidence threshold stops the draft after its first step when nothing reaches it."""
+    from hf_spec.bench.measure import ForwardCounter
+
+    tokenizer, draft_tokenizer, draft = letters_pair
+    prompt, k = torch.tensor([[0, 1, 2, 3, 4, 5, 6]]), 4
+    proposals = []
+    original = cross.point_mass_proposal
+    monkeypatch.setattr(cross, "point_mass_proposal",
+                        lambda candidates, *rest: proposals.append([c.tolist() for c in candidates]) or original(
+                            candidates, *rest))
+    target.generate(prompt, assistant_model=draft, tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer,
+                    num_assistant_tokens=k, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    own = draft_tokenizer(tokenizer.decode(prompt[0]), return_tensors="pt")["input_ids"]
+    written = draft.generate(own, max_new_tokens=k, do_sample=False, pad_token_id=0)[0, own.shape[1]:]
+    text = draft_tokenizer.decode(written, skip_special_tokens=True)
+    assert proposals[0] == [tokenizer(text, add_special_tokens=False)["input_ids"][:k]]
+    assert len(proposals[0][0]) > 0
+    for threshold in (None, 0.9999):
+        with ForwardCounter(draft) as passes:
+            output = target.generate(prompt, assistant_model=draft, tokenizer=tokenizer,
+                                     assistant_tokenizer=draft_tokenizer, num_assistant_tokens=k, max_new_tokens=8,
+                                     do_sample=False, pad_token_id=PAD, assistant_confidence_threshold=threshold,
+                                     return_dict_in_generate=True)
+        rounds = output.speculative_stats.num_rounds
+        assert passes.count > rounds if threshold is None else passes.count <= rounds  # never confident: 1 step
+    with pytest.raises(ValueError, match=r"`matching` must be one of \('auto', 'string', 'intersection'\), but is "
+                                         "'strings'"):
+        CrossTokenizerDrafter(draft, tokenizer, draft_tokenizer, matching="strings")
 
 
 def test_the_cached_grid_reads_exactly_the_retokenized_text(target, letters_pair, monkeypatch):
@@ -258,7 +324,8 @@ def test_a_forced_id_past_the_tokenizer_is_drafted_and_kept_exactly(letters_pair
     processors = LogitsProcessorList([ForceIdEveryThirdPosition(token)])
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False, logits_processor=processors,
                                pad_token_id=PAD)
-    output = target.generate(prompt, assistant_model=draft, tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer,
-                             num_assistant_tokens=3, max_new_tokens=12, do_sample=False, logits_processor=processors,
-                             pad_token_id=PAD)
-    assert torch.equal(output, expected) and (expected[0, 4:] == token).any()
+    for matching in ("intersection", "string"):  # the intersection drafts it; strings propose only text
+        drafter = CrossTokenizerDrafter(draft, tokenizer, draft_tokenizer, matching)
+        output = target.generate(prompt, assistant_model=drafter, num_assistant_tokens=3, max_new_tokens=12,
+                                 do_sample=False, logits_processor=processors, pad_token_id=PAD)
+        assert torch.equal(output, expected) and (expected[0, 4:] == token).any(), matching

@@ -1,4 +1,5 @@
-"""`CrossTokenizerDrafter`: a draft model with a tokenizer of its own, exactly (token-level intersection).
+"""`CrossTokenizerDrafter`: a draft model with a tokenizer of its own, exactly: string-level matching when greedy,
+token-level intersection when sampling.
 
 ``generate(assistant_model=draft, tokenizer=target_tokenizer, assistant_tokenizer=draft_tokenizer)`` with two
 different vocabularies. Each round:
@@ -6,18 +7,28 @@ different vocabularies. Each round:
 1. Every active row's committed text (the target's ids, decoded) is tokenized by the draft's tokenizer. The draft's
    own token grid keeps the longest prefix it already read; the tokens after it are masked out (holes, as in
    `hf_spec.rows`) and the new ones appended, so one pass over a rectangle serves every row.
-2. Each draft step's logits over the draft's vocabulary are moved onto the target's ids (`to_target_space`): a token
-   whose text both vocabularies hold (the intersection, `vocabulary_map`) keeps its logit, every other target id gets
-   ``-inf``. The call's processor chain then runs on those target-space scores, and the draft token is drawn from
-   their law q, exactly as for a same-tokenizer draft (`hf_spec.drafting.base.draw_next`).
-3. The drawn target id is fed back to the draft as its draft id.
+2. The draft proposes target ids, by one of two methods (`MATCHINGS`; ``"auto"``: strings when greedy, the
+   intersection when sampling, as transformers' universal assisted generation chooses):
 
-Why it is exact: q is a law over the target's ids that depends only on the row's prefix, and it is the law the token
-was drawn from; the acceptance rule (`hf_spec.rejection`) keeps the target's law for any such q. Target ids outside
-the intersection have q = 0: they are never proposed, and the residual max(0, p - q) gives them their full
-probability when a draft is rejected. This is the token-level intersection of Timor et al. (ICML 2025,
-"Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies"), in
-ragged batches. Which texts count as equal only decides how often drafts are accepted, never the output law.
+   - ``"intersection"``: each draft step's logits over the draft's vocabulary are moved onto the target's ids
+     (`to_target_space`): a token whose text both vocabularies hold (`vocabulary_map`) keeps its logit, every other
+     target id gets ``-inf``. The call's processor chain runs on those target-space scores, and the draft token is
+     drawn from their law q, exactly as for a same-tokenizer draft (`hf_spec.drafting.base.draw_next`); the drawn
+     target id is fed back to the draft as its draft id.
+   - ``"string"``: the draft decodes k of its own tokens greedily (its raw logits, over its whole vocabulary), their
+     text is tokenized by the target's tokenizer, and the first k target ids are the proposal, each with q a point
+     mass (`hf_spec.drafting.lookup.point_mass_proposal`). A draft text spanning target tokens the intersection lacks
+     (runs of spaces in code, say) is proposed all the same.
+
+Why both are exact: q is a law over the target's ids that depends only on the row's prefix (and the draft's own
+choices), and it is the law the token was drawn from; the acceptance rule (`hf_spec.rejection`) keeps the target's law
+for any such q. Intersection: target ids outside it have q = 0, so they are never proposed, and the residual
+max(0, p - q) gives them their full probability when a draft is rejected. Strings: a point mass on x is accepted with
+probability p(x), and a rejection is drawn from p without x, renormalized, which together is p: a string-level exact
+match (greedy: the longest prefix equal to the target's argmax). These are Timor et al.'s token-level intersection
+and string-level exact match (ICML 2025, "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
+for Heterogeneous Vocabularies"), here in ragged batches. Which texts count as equal, and how the draft's text is
+cut into target tokens, only decide how often drafts are accepted, never the output law.
 """
 
 from __future__ import annotations
@@ -32,11 +43,14 @@ from hf_spec.caches import crop_to, new_cache, select_rows
 from hf_spec.compat import is_rewired_by_universal_assisted_generation
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
+from hf_spec.drafting.lookup import point_mass_proposal
 from hf_spec.drafting.model import check_draft_model
-from hf_spec.forward import forward_missing
+from hf_spec.forward import forward_missing, has_invalid_values
 from hf_spec.rows import RaggedBatch
 
 _MAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target tokenizer -> {draft tokenizer -> map}
+#: How a draft of another tokenizer proposes target ids (`CrossTokenizerDrafter`).
+MATCHINGS = ("auto", "string", "intersection")
 
 
 def token_texts(tokenizer: Any) -> dict[str, int]:
@@ -72,6 +86,11 @@ def vocabulary_map(tokenizer: Any, draft_tokenizer: Any) -> tuple[torch.Tensor, 
     return cached[1], cached[2]
 
 
+def _below(ids: list[int], vocab_size: int) -> list[int]:
+    """``ids`` up to the first one the target's logits do not cover (a tokenizer's added token past them)."""
+    return next((ids[:i] for i, index in enumerate(ids) if index >= vocab_size), ids)
+
+
 def to_target_space(logits: torch.Tensor, target_ids: torch.Tensor, draft_ids: torch.Tensor,
                     vocab_size: int) -> torch.Tensor:
     """Draft logits ``[active, draft vocab]`` -> ``[active, vocab_size]``: each shared token's logit at its target id,
@@ -81,10 +100,13 @@ def to_target_space(logits: torch.Tensor, target_ids: torch.Tensor, draft_ids: t
 
 
 class CrossTokenizerDrafter(Drafter):
-    """Drafts with a model whose tokenizer differs from the target's (see the module docstring)."""
+    """Drafts with a model whose tokenizer differs from the target's (see the module docstring); ``matching`` is one
+    of `MATCHINGS`."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, draft_tokenizer: Any):
-        self.model, self.tokenizer, self.draft_tokenizer = model, tokenizer, draft_tokenizer
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, draft_tokenizer: Any, matching: str = "auto"):
+        if matching not in MATCHINGS:
+            raise ValueError(f"`matching` must be one of {MATCHINGS}, but is {matching!r}.")
+        self.model, self.tokenizer, self.draft_tokenizer, self.matching = model, tokenizer, draft_tokenizer, matching
         target_ids, draft_ids = vocabulary_map(tokenizer, draft_tokenizer)
         device = model.device
         self.target_ids, self.draft_ids = target_ids.to(device), draft_ids.to(device)
@@ -103,6 +125,8 @@ class CrossTokenizerDrafter(Drafter):
 
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
         self._catch_up(self._draft_tokens(batch))
+        if self.matching == "string" or (self.matching == "auto" and not context.do_sample):
+            return self._propose_text(batch, num_draft_tokens, context)
         draft_ids = batch.model_ids.new_empty((batch.num_active, 0))  # target ids
         probs = []
         is_invalid = torch.zeros(2, dtype=torch.bool, device=draft_ids.device)
@@ -122,6 +146,27 @@ class CrossTokenizerDrafter(Drafter):
                 self._append([[index] for index in fed.tolist()])
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
                         num_model_steps=draft_ids.shape[1])
+
+    def _propose_text(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
+        """String-level matching: the draft's greedy text, tokenized by the target's tokenizer, as point masses."""
+        own = []  # per step: [active] the draft's own ids
+        is_invalid = torch.zeros(2, dtype=torch.bool, device=batch.model_ids.device)
+        for i in range(num_draft_tokens):
+            logits, _ = forward_missing(self.model, self.cache, self.ids, self.mask, num_logits=1)
+            step = logits[:, 0]  # [active, draft vocab]
+            is_invalid[0] |= has_invalid_values(step)
+            own.append(step.argmax(dim=-1))
+            if context.stop_below is not None and bool((step.softmax(-1).amax(-1) < context.stop_below).all()):
+                break  # the draft's own confidence (transformers' assistant_confidence_threshold)
+            if i + 1 < num_draft_tokens:  # the next step reads it
+                self._append([[index] for index in own[-1].tolist()])
+        texts = self.draft_tokenizer.batch_decode(torch.stack(own, dim=1).tolist() if own else [[]] * batch.num_active,
+                                                  skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        candidates = [torch.tensor(_below(ids[:num_draft_tokens], context.vocab_size), dtype=torch.long)
+                      for ids in encoded]
+        proposal = point_mass_proposal(candidates, batch, context)
+        return Proposal(proposal.draft_ids, proposal.draft_probs, is_invalid, num_model_steps=len(own))
 
     def _draft_tokens(self, batch: RaggedBatch) -> list[list[int]]:
         """Every active row's committed text, tokenized by the draft's tokenizer."""
