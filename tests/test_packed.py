@@ -130,6 +130,23 @@ def test_auto_measures_every_candidate_and_keeps_the_fastest_for_its_role():
     assert cpu_path(model) is path and path.name in path.describe()
 
 
+def test_a_draft_is_put_on_the_path_cheapest_for_a_whole_round():
+    """A draft pays steps, a 2-token catch-up and a share of a prefill (`DRAFT_ROUND`), not the step alone: a path whose
+    step is 5% slower but whose catch-up and prefill cost about a step wins for a draft, and loses for steps."""
+    dense = {1: 0.100, 2: 0.150, 16: 0.550}
+    packed_seconds = {1: 0.105, 2: 0.106, 16: 0.110}
+    assert packed._score(packed_seconds, "draft") < packed._score(dense, "draft")
+    assert packed._score(packed_seconds, "steps") > packed._score(dense, "steps")
+    assert packed._score(dense, "draft") == pytest.approx(4 * 0.100 + 0.150 + 0.5 * 0.550)
+    model = make_tiny_model(seed=0)
+    path = optimize(model, role="draft", repeats=1)
+    assert all(set(seconds) == set(packed.DRAFT_ROUND) for seconds in path.seconds.values())
+    score = {name: packed._score(seconds, "draft") for name, seconds in path.seconds.items() if name != "stock"}
+    assert path.name == min(score, key=score.get)
+    with pytest.raises(ValueError, match=r"including \[1, 2, 16\] \(for role 'draft'\), but is \[1, 2\]"):
+        optimize(model, role="draft", widths=[1, 2])
+
+
 def test_the_loss_of_plain_steps_on_a_verifying_path_is_reported():
     """A target on the packed path pays its step, not the fastest one, in rounds that draft nothing: said, with the
     ratio, and not said when the path's own step is the fastest."""

@@ -54,7 +54,7 @@ def bench_variants(pair: Pair, target_name: str, *, quantized: tuple[str, ...] =
         prune_vocabulary(draft, draft_vocabulary(draft, pair.tokenizer, size, draft_vocab_corpus, target=target,
                                                  counted_on=counted_on))
         if optimize:
-            packed.optimize(draft, role="steps")
+            packed.optimize(draft, role="draft")
         variants[f"vocab{size}" + ("" if counted_on == "continuations" else f"-{counted_on}")] = (target, draft)
     if optimize and getattr(target.config, "quantization_config", None) is None:
         for label in dict.fromkeys(kernel_baselines):
@@ -68,11 +68,11 @@ def bench_variants(pair: Pair, target_name: str, *, quantized: tuple[str, ...] =
 
 
 def _other_draft(pair: Pair, target_name: str, name: str, dtype: torch.dtype, optimize: bool, seed: int):
-    """A draft model or head from ``name``, checked against the pair's target, on its fastest path for steps."""
+    """A draft model or head from ``name``, checked against the pair's target, on its fastest path as a draft."""
     if head_kind(name) is not None:
         head = load_head(name, pair.target, dtype)  # checks that the head was built for this target
         if optimize:
-            packed.optimize(head, path="dense", role="steps")
+            packed.optimize(head, path="dense", role="draft")
         return head
     draft, tokenizer = load_model(name, dtype=dtype, seed=seed, role="draft")
     try:
@@ -81,7 +81,7 @@ def _other_draft(pair: Pair, target_name: str, name: str, dtype: torch.dtype, op
         raise ValueError(f"--draft-variants {name} does not fit --target {target_name}: {error}") from None
     draft = draft.to(first_device(pair.target))
     if optimize:
-        packed.optimize(draft, role="steps")
+        packed.optimize(draft, role="draft")
     return draft
 
 

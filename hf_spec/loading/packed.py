@@ -1,25 +1,19 @@
 """The fastest CPU forward path for a model, chosen by measurement: linear layers prepacked for oneDNN, and per pass
-either torch's own kernels or oneDNN for the rest, by the number of rows in the pass.
+either torch's own kernels or oneDNN for the rest, by the number of rows in the pass (figures: docs/cpu_kernels.md).
 
-Why (Qwen2.5-Coder-1.5B in bf16, 256-token cache, 2 threads, an AVX512-BF16 CPU): as loaded, a 1-token step costs about
-226 ms through oneDNN and 123 ms through torch's own kernels (oneDNN off), while a 6-token block costs about 220 ms
-through oneDNN and 520 ms through torch's. With the linear weights prepacked for oneDNN
-(``torch.ops.mkldnn._reorder_linear_weight``, run by ``torch.ops.mkldnn._linear_pointwise``, what inductor's CPU
-freezing uses) a 6-token block costs about one step. Without native bf16 (AVX2), float32 prepacked linears still cut the
-step and the blocks; bf16 cannot be prepacked there.
+Why: on an AVX512-BF16 CPU a 1-token bf16 step runs 1.7x faster through torch's own kernels than through oneDNN, and
+a 6-token block 2.4x slower; with the linear weights prepacked (``torch.ops.mkldnn._reorder_linear_weight``, run by
+``_linear_pointwise``, as inductor's CPU freezing does) a 6-token block costs about one step. AVX2: float32 only.
 
 Paths (`PATHS`): ``stock``: the weights as loaded, oneDNN wherever torch sends them (what transformers does); ``dense``:
 the weights as loaded, passes of few rows with oneDNN switched off, blocks with it on; ``packed``: the linear weights
 prepacked for oneDNN (a tied output layer stays as it is), the rest as ``dense``.
 
-`optimize` measures them on the model and keeps the fastest for its role: ``"target"``, a target that verifies blocks,
-or ``"steps"``, a model that mostly runs 1-token steps (a draft, or a target decoding alone). The two can differ: on the
-machine above the packed path's 6-token block costs about as much as the dense path's step, but its step costs about 15%
-more than the dense path's (what a target there loses in a round that drafts nothing: `CpuPath.step_loss`). Weights are
-never duplicated: each layer is packed in place of its dense weight (``deoptimize`` restores them exactly). Every method
-then runs on the same optimized weights, so a comparison with target-only decoding is fair; p is whatever the optimized
-model computes, which rounds differently from the stock model, so the output law is exactly target-only decoding *with
-the optimized model*.
+`optimize` measures them and keeps the fastest for the model's role (`ROLES`): a target that verifies blocks, a draft
+(steps, 2-token catch-ups, prefills: `DRAFT_ROUND`), or a target decoding alone. They can differ: the packed path's step
+can cost more than the dense path's (what a target loses in a round that drafts nothing: `CpuPath.step_loss`). Each
+layer is packed in place of its dense weight (``deoptimize`` restores it). The output law is exactly target-only
+decoding *with the optimized model*, which rounds differently from the stock one.
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ from transformers import PreTrainedModel
 from hf_spec.caches import cache_length, crop_to, new_cache
 from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.drafting.costs import forget_costs
+from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.forward import position_table
 from hf_spec.loading.cpu import release_freed_memory
 from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
@@ -46,9 +41,12 @@ from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 logger = logging.getLogger(__name__)
 
 PATHS = ("stock", "dense", "packed")
-ROLES = ("target", "steps")
+ROLES = ("target", "draft", "steps")
 #: Tokens of random context before timing a model's passes.
 PREFIX_LENGTH = 64
+#: A draft's passes, by tokens, in a round of k = 5: four steps, a 2-token catch-up (after a round accepted in full) and
+#: its share of a prompt's prefill (a 128-token prompt is eight 16-token passes, spread over 16 or more rounds).
+DRAFT_ROUND = {1: DEFAULT_NUM_DRAFT_TOKENS - 1, 2: 1, 16: 0.5}
 
 
 @torch.library.custom_op("hf_spec::packed_linear", mutates_args=())
@@ -148,14 +146,14 @@ class CpuPath:
 
 def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", widths: list[int] | None = None,
              repeats: int = 3) -> CpuPath:
-    """Put ``model`` on its fastest CPU forward path, in place, and return what was chosen (`cpu_path` gives it
-    back later).
+    """Put ``model`` on its fastest CPU forward path, in place, and return what was chosen (also `cpu_path`).
 
     Args:
         path: ``"auto"`` measures ``stock``, ``dense`` and ``packed`` and keeps the fastest; or one of `PATHS`.
-        role: ``"target"`` weighs a 1-token step and the blocks in ``widths`` alike; ``"steps"`` the step alone.
-        widths: tokens per timed pass, at most `PREFIX_LENGTH` (default: 1, 2, 4, 6, 8 for a target, 1 and 2 for
-            steps).
+        role: ``"target"`` weighs a 1-token step and the blocks in ``widths`` alike; ``"draft"`` the passes of a round
+            (`DRAFT_ROUND`: steps, a catch-up and a share of a prefill); ``"steps"`` the step alone.
+        widths: tokens per timed pass, at most `PREFIX_LENGTH` (default: 1, 2, 4, 6, 8 for a target, the widths of
+            `DRAFT_ROUND` for a draft, 1 and 2 for steps; a draft's must include them).
         repeats: timed passes per width and candidate (the median is kept).
     """
     if path not in ("auto", *PATHS):
@@ -163,10 +161,11 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
     if role not in ROLES:
         raise ValueError(f"`role` must be one of {ROLES}, but is {role!r}.")
     check_int("repeats", repeats)
-    widths = widths or ([1, 2, 4, 6, 8] if role == "target" else [1, 2])
-    if 1 not in widths or not all(is_int_at_least(width, 1) and width <= PREFIX_LENGTH for width in widths):
-        raise ValueError(f"`widths` must be token counts in [1, {PREFIX_LENGTH}] including 1 (the step), but is "
-                         f"{widths!r}.")
+    widths = widths or {"target": [1, 2, 4, 6, 8], "draft": list(DRAFT_ROUND), "steps": [1, 2]}[role]
+    needed = set(DRAFT_ROUND) if role == "draft" else {1}
+    if not needed <= set(widths) or not all(is_int_at_least(width, 1) and width <= PREFIX_LENGTH for width in widths):
+        raise ValueError(f"`widths` must be token counts in [1, {PREFIX_LENGTH}] including {sorted(needed)} (for role "
+                         f"{role!r}), but is {widths!r}.")
     deoptimize(model)
     refusal = _unsupported(model)
     if refusal:
@@ -301,7 +300,6 @@ def time_passes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict
 
 
 def _fastest(by_mode: dict[bool, dict[int, float]]) -> dict[int, float]:
-    """Per width, the faster of oneDNN on and off."""
     return {width: min(by_mode[True][width], by_mode[False][width]) for width in by_mode[True]}
 
 
@@ -312,8 +310,11 @@ def _aten_rows(by_mode: dict[bool, dict[int, float]]) -> int:
 
 
 def _score(seconds: dict[int, float], role: str) -> float:
-    """What a role pays: a draft or a target decoding alone steps; a target that speculates steps and verifies."""
+    """What a role pays: a target decoding alone steps; a draft steps, catches up and prefills (`DRAFT_ROUND`); a target
+    that speculates steps and verifies."""
     if role == "steps":
         return seconds[1]
+    if role == "draft":
+        return sum(weight * seconds[width] for width, weight in DRAFT_ROUND.items())
     blocks = [value for width, value in seconds.items() if width > 1]
     return seconds[1] + (sum(blocks) / len(blocks) if blocks else 0.0)

@@ -174,15 +174,15 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
 def prepare_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None, *, optimize: bool = True) -> Pair:
     """Models you loaded yourself, ready to speculate: the target made `speculative`, the draft moved to the
     target's first device (a quantized draft stays where its ``device_map`` put it), and, with ``optimize``, each on
-    its fastest CPU forward path (the target for verifying blocks, a draft model for steps; a draft head keeps dense
-    kernels with oneDNN switched off for its 1-token steps)."""
+    its fastest CPU forward path (the target for verifying blocks, a draft model for its steps, 2-token catch-ups and
+    prefills; a draft head keeps dense kernels with oneDNN switched off for its 1-token steps)."""
     is_quantized = getattr(draft.config, "quantization_config", None) is not None
     draft = draft if is_quantized else draft.to(first_device(target))
     pair = Pair(speculative(target), draft, tokenizer)
     if optimize:
         pair.target_path = packed.optimize(pair.target, role="target")
         pair.draft_path = packed.optimize(pair.draft, path="dense" if isinstance(draft, DraftHeadBase) else "auto",
-                                          role="steps")
+                                          role="draft")
     return pair
 
 
