@@ -11,6 +11,7 @@ from helpers import make_noisy_copy, make_tiny_model
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
+from hf_spec.drafting.online import PositionalAcceptance
 from hf_spec.drafting.speedup import expected_tokens
 
 
@@ -95,6 +96,50 @@ def test_auto_explores_after_rounds_without_drafting():
     chooser = AutoDraftLength(explore_every=4)
     simulate(chooser, 0.0, 0.5, 0.0, rounds=60, seed=4)
     assert 0 in list(chooser.chosen)[10:] and 1 in list(chooser.chosen)[10:]
+
+
+def seeded_chooser(c: float = 0.43, slope: float = 0.02) -> AutoDraftLength:
+    """A chooser whose costs come from a probe, as in ``generate()``: draft step c, blocks 1 + slope (m - 1) steps."""
+    chooser = AutoDraftLength()
+    chooser.start_from(CostTable(1.0, c, {size: 1.0 + slope * (size - 1) for size in range(1, 12)}))
+    return chooser
+
+
+def play(chooser: AutoDraftLength, accepted_if_drafted, rounds: int) -> list[int]:
+    """Rounds whose accepted count is ``accepted_if_drafted(round, k)``; every round is timed at its modelled cost."""
+    for round_index in range(rounds):
+        k = chooser.choose(limit=100)
+        accepted = accepted_if_drafted(round_index, k) if k > 0 else 0
+        chooser.update(k, [accepted], draft_seconds=0.43 * k, num_model_steps=k, verify_seconds=1.0 + 0.02 * k)
+    return list(chooser.chosen)
+
+
+def test_a_rejection_in_the_first_rounds_is_tried_again_soon():
+    """Prose-like: k = 1 pays (a = 0.65 > c + b(2) - 1), but the call's first two drafts are rejected. The estimate
+    then rests on two draws, so drafting is tried again within two rounds, not after ``explore_every`` (8)."""
+    chosen = play(seeded_chooser(), lambda i, k: 0 if i < 2 else 1, rounds=12)
+    first_plain = chosen.index(0)
+    assert first_plain <= 2 and any(k > 0 for k in chosen[first_plain:first_plain + 3]), chosen
+    assert chosen[-1] >= 1, chosen  # drafting again once the draws come in
+
+
+def test_a_rejection_past_the_usual_k_fades_while_rounds_stop_short_of_it():
+    """Code-like: every draft is accepted except once at position 4. A round of k tokens accepted in full says
+    nothing about position k, so that one rejection must fade instead of holding k at 4 for the rest of the call."""
+    chosen = play(seeded_chooser(), lambda i, k: 4 if i == 6 and k > 4 else k, rounds=80)
+    assert min(chosen[7:12]) <= 4 < max(chosen[-10:]), chosen
+
+    acceptance = PositionalAcceptance(6, prior=0.6, prior_weight=2.0, decay=0.97)
+    acceptance.add(4, False)
+    held = PositionalAcceptance(6, prior=0.6, prior_weight=2.0, decay=0.97)
+    held.add(4, False)
+    for _ in range(60):
+        for estimate in (acceptance, held):
+            for position in range(4):
+                estimate.add(position, True)
+        acceptance.forget_unreached(4)
+    # Control: without forgetting the unreached positions the old rejection keeps position 4 well below the rest.
+    assert acceptance.estimate()[4] > 0.9 and held.estimate()[4] < 0.7
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -138,6 +138,8 @@ class AutoDraftLength(OnlineSizer):
         for accepted in num_accepted:
             for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
                 self.first.add(position, position < accepted)
+        if num_draft_tokens > 0:  # a plain step reaches no position: nothing to forget
+            self.first.forget_unreached(min(num_draft_tokens, max(num_accepted, default=-1) + 1))
         emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
         self._learn_round(num_draft_tokens + 1, self.costs.draft_step, draft_seconds, num_model_steps,
                           verify_seconds, emitted)

@@ -70,6 +70,14 @@ class PositionalAcceptance:
     def add(self, position: int, is_accepted: bool) -> None:
         self.cells[position].add(float(is_accepted))
 
+    def forget_unreached(self, num_reached: int) -> None:
+        """End of a round that reached positions ``0 .. num_reached - 1``: the positions beyond forget once too, so an
+        old rejection there fades (and the estimate falls back to the pooled rate) while rounds stop short of them.
+        Without it, one early rejection at a deep position would keep k below that position for the rest of the
+        call: a round of k tokens accepted in full tells nothing about position k."""
+        for cell in self.cells[num_reached:]:
+            cell.total, cell.weight = cell.decay * cell.total, cell.decay * cell.weight
+
     def pooled(self) -> float:
         total = sum(cell.total for cell in self.cells) + self.prior * self.prior_weight
         return total / (sum(cell.weight for cell in self.cells) + self.prior_weight)
@@ -126,7 +134,9 @@ class Exploration:
     """After ``every`` rounds without drafting, one round drafts a single token. Each exploring round doubles the wait
     before the next (up to `MAX_EXPLORE_EVERY`); a round that drafts because the model chose to resets it. An accepted
     exploration alone does not: where blocks are expensive, drafting loses even when the draft is right, and each
-    exploration costs a block."""
+    exploration costs a block. While the acceptance estimate rests on fewer than ``every`` observations, the wait is
+    that many rounds (at least one): a draft rejected in the call's first rounds is tried again soon, not written off
+    for ``every`` rounds on one or two draws."""
 
     def __init__(self, every: int):
         self.every = check_int("explore_every", every)
@@ -134,8 +144,9 @@ class Exploration:
         self.rounds_without_draft = 0
         self.is_exploring = False
 
-    def is_due(self) -> bool:
-        return self.rounds_without_draft >= self.wait
+    def is_due(self, evidence: float) -> bool:
+        """``evidence``: observations counted at the first position so far (without forgetting)."""
+        return self.rounds_without_draft >= min(self.wait, max(1.0, evidence))
 
     def chose(self, num_drafted: int) -> None:
         self.rounds_without_draft = self.rounds_without_draft + 1 if num_drafted == 0 else 0
@@ -226,7 +237,7 @@ class OnlineSizer:
             return 0
         if self.block_seconds(1) is None:
             return self.initial
-        if self.exploration.is_due():
+        if self.exploration.is_due(self.first.cells[0].count):
             self.exploration.is_exploring = True
             return 1
         return None

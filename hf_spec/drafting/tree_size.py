@@ -206,10 +206,14 @@ class AutoTreeSize(OnlineSizer):
     def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
                     verify_seconds: float | None) -> None:
         """Learn from a finished round: the children the rule tried at each depth, and the round's timings."""
+        reached = 0  # depths whose first-ranked child was tried
         for depth, rank, accepted in rank_outcomes(tree.parents, path):
             if depth >= self.max_depth or rank >= MAX_RANKS:
                 continue
             (self.first if rank == 0 else self.later[rank - 1]).add(depth, accepted)
+            reached = max(reached, depth + 1) if rank == 0 else reached
+        if tree.num_nodes > 0:
+            self.first.forget_unreached(reached)
         is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
         self._learn_round(tree.num_nodes + 1, self.tree_step if is_tree else self.costs.draft_step, draft_seconds,
                           tree.num_model_steps, verify_seconds, 1.0 + len(path))
