@@ -95,7 +95,7 @@ class AutoDraftLength(OnlineSizer):
         initial: k of the first round, before anything is measured.
         prior_acceptance, prior_weight: the acceptance assumed before any round, worth this many observations.
         decay: forgetting factor per observation, in (0, 1]; 1 never forgets.
-        explore_every: after this many rounds at k = 0, draft one token once.
+        explore_every: after this many rounds at k = 0 (fewer early on), draft one token once.
 
     Attributes:
         chosen: k of the last rounds (up to `hf_spec.drafting.online.MAX_CHOSEN`), across calls when reused.

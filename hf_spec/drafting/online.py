@@ -56,6 +56,10 @@ class DecayedMean:
         self.weight = self.decay * self.weight + weight
         self.count += 1
 
+    def forget(self) -> None:
+        """Decay once without a new value."""
+        self.total, self.weight = self.decay * self.total, self.decay * self.weight
+
     def get(self, default: float) -> float:
         return self.total / self.weight if self.weight > 0 else default
 
@@ -76,7 +80,7 @@ class PositionalAcceptance:
         Without it, one early rejection at a deep position would keep k below that position for the rest of the
         call: a round of k tokens accepted in full tells nothing about position k."""
         for cell in self.cells[num_reached:]:
-            cell.total, cell.weight = cell.decay * cell.total, cell.decay * cell.weight
+            cell.forget()
 
     def pooled(self) -> float:
         total = sum(cell.total for cell in self.cells) + self.prior * self.prior_weight
@@ -189,7 +193,7 @@ class OnlineSizer:
         initial: tokens of the first round, before any cost is known.
         prior_acceptance, prior_weight: the acceptance assumed before any round, worth this many observations.
         decay: forgetting factor per observation, in (0, 1]; 1 never forgets.
-        explore_every: after this many rounds without drafting, draft one token once.
+        explore_every: after this many rounds without drafting (fewer early on), draft one token once.
     """
 
     is_timed = True  # learns from the round's timings

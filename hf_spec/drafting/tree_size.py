@@ -211,7 +211,8 @@ class AutoTreeSize(OnlineSizer):
             if depth >= self.max_depth or rank >= MAX_RANKS:
                 continue
             (self.first if rank == 0 else self.later[rank - 1]).add(depth, accepted)
-            reached = max(reached, depth + 1) if rank == 0 else reached
+            if rank == 0:
+                reached = max(reached, depth + 1)
         if tree.num_nodes > 0:
             self.first.forget_unreached(reached)
         is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
