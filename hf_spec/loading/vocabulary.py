@@ -128,7 +128,8 @@ def continuation_counts(target: PreTrainedModel, tokenizer, texts: list[str], nu
 
 def counts_path(tokenizer, texts: list[str], cache: Path | None = None, target: PreTrainedModel | None = None) -> Path:
     """Where the counts of ``texts`` under ``tokenizer`` (with ``target``: of its continuations of them) are kept:
-    keyed by what they hold (the target's config and a checksum of its weights), not by their names."""
+    keyed by what they hold (the target's config, a checksum of its weights and the ids that end its continuations),
+    not by their names."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     serialized = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     tokenizer_hash = hashlib.sha256(f"{type(tokenizer).__name__}\n{serialized}".encode()).hexdigest()[:16]
@@ -137,7 +138,8 @@ def counts_path(tokenizer, texts: list[str], cache: Path | None = None, target: 
         corpus_hash.update(hashlib.sha256(text.encode(errors="replace")).digest())
     name = f"{tokenizer_hash}-{corpus_hash.hexdigest()[:16]}"
     if target is not None:
-        name += "-continuations-" + model_fingerprint(target)
+        ends = ",".join(map(str, sorted(eos_token_ids(target))))
+        name += "-continuations-" + model_fingerprint(target) + "-" + hashlib.sha256(ends.encode()).hexdigest()[:8]
     return (cache or cache_dir()) / "token_counts" / f"{name}.json"
 
 
