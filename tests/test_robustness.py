@@ -54,10 +54,11 @@ def test_token_counts_are_keyed_by_tokenizer_and_corpus_content(tmp_path):
     assert counts_path(tokenizer, ["abc"], tmp_path) != counts_path(tokenizer, ["abd"], tmp_path)
     assert counts_path(tokenizer, ["abc"], tmp_path) != counts_path(other, ["abc"], tmp_path)
     draft = make_tiny_model(seed=0, vocab_size=64)
-    draft.generation_config.eos_token_id = 63
-    continued = counts_path(tokenizer, ["abc"], tmp_path, target=draft)
-    draft.generation_config.eos_token_id = [63, 5]
-    assert counts_path(tokenizer, ["abc"], tmp_path, target=draft) != continued, "continuations end elsewhere"
+    target = make_tiny_model(seed=1, vocab_size=64)
+    target.generation_config.eos_token_id = 63
+    continued = counts_path(tokenizer, ["abc"], tmp_path, target=target)
+    target.generation_config.eos_token_id = [63, 5]
+    assert counts_path(tokenizer, ["abc"], tmp_path, target=target) != continued, "continuations end elsewhere"
     ids = draft_vocabulary(draft, tokenizer, 4, ["aaaa bbb cc"], cache=tmp_path / "fresh" / "folder", counted_on="text")
     assert set(ids) >= {tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")}
     assert list((tmp_path / "fresh" / "folder" / "token_counts").glob("*.json")), "the cache folder was made"
