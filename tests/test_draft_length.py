@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from helpers import make_noisy_copy, make_tiny_model
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
-from hf_spec.drafting.online import PositionalAcceptance
+from hf_spec.drafting.online import PassCosts, PositionalAcceptance
 from hf_spec.drafting.speedup import expected_tokens
 
 
@@ -140,6 +141,32 @@ def test_a_rejection_past_the_usual_k_fades_while_rounds_stop_short_of_it():
         acceptance.forget_unreached(4)
     # Control: without forgetting the unreached positions the old rejection keeps position 4 well below the rest.
     assert acceptance.estimate()[4] > 0.9 and held.estimate()[4] < 0.7
+
+
+def test_costs_timed_in_a_slow_phase_do_not_hold_the_choice_afterwards():
+    """The machine runs 3x slower while the first rounds draft 2 to 6 tokens, then normally. Block sizes the sizer
+    stops asking for must not keep their slow figures: it goes back to k >= 2 (a = 0.85, c = 0.4 make k = 2 to 4
+    best) instead of staying at k = 1, the one size it keeps timing."""
+    chooser, rng = seeded_chooser(c=0.4), random.Random(0)
+    for round_index in range(80):
+        k = chooser.choose(limit=100)
+        accepted = next((i for i in range(k) if rng.random() >= 0.85), k)
+        slow = 3.0 if 3 <= round_index < 12 else 1.0
+        chooser.update(k, [accepted], draft_seconds=0.4 * k * slow, num_model_steps=k,
+                       verify_seconds=None if round_index == 0 else (1.0 + 0.02 * k) * slow)
+    assert statistics.median(list(chooser.chosen)[30:]) >= 2, list(chooser.chosen)
+
+    # The estimate itself, with a control: a size timed once in the slow phase and then not again comes back to the
+    # probe's figure times the machine's current speed; without a probe to lean on, it keeps its slow figure.
+    probe = CostTable(1.0, 0.4, {size: 1.0 + 0.02 * (size - 1) for size in range(1, 12)})
+    anchored, unanchored = PassCosts(0.97, 11), PassCosts(0.97, 11)
+    anchored.seed(probe, 4.0)
+    for costs in (anchored, unanchored):
+        costs.add_block(5, 3.0 * 1.08)
+        for _ in range(100):
+            costs.add_block(2, 1.02)
+    assert anchored.block_seconds(5) == pytest.approx(1.08, rel=0.1)
+    assert unanchored.block_seconds(5) > 2.5
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -36,6 +36,8 @@ RATE_EVIDENCE = 6
 MAX_CHOSEN = 10_000
 #: A timing more than this many times away from the running estimate counts as this far (`clipped`).
 OUTLIER_RATIO = 1.5
+#: A block size's cost leans on the probe's figure times the machine's current speed with this many timings' weight.
+ANCHOR_WEIGHT = 1.0
 #: Drafting must be measurably slower than plain steps, by this factor, before the clock overrules the cost model.
 CLOCK_MARGIN = 0.9
 
@@ -92,37 +94,63 @@ class PositionalAcceptance:
 
 
 class PassCosts:
-    """Seconds of a draft pass (``draft_step``) and of target passes by size (``block_seconds``)."""
+    """Seconds of a draft pass (``draft_step``) and of target passes by size (``block_seconds``).
+
+    A size is measured only while the sizer asks for it, so its estimate can go stale: a size timed once in a slow
+    phase of a shared machine would otherwise keep its slow figure for the rest of the call, and keep the sizer off
+    it. So every target pass also measures the machine's current ``speed`` against the probe's figure for its size,
+    each size's own timings fade while other sizes are measured, and an estimate leans on the probe's figure times
+    that speed (worth `ANCHOR_WEIGHT` timings) as its own timings fade. Without a probe, sizes are interpolated."""
 
     def __init__(self, decay: float, max_block_size: int):
         self.decay, self.max_block_size = decay, max_block_size
         self.draft_step = DecayedMean(decay)
         self.blocks: dict[int, DecayedMean] = {}  # tokens in a target pass -> seconds
+        self.reference: dict[int, float] = {}  # the probe's seconds by size, kept as measured
+        self.speed = DecayedMean(decay)  # measured seconds / the probe's, over recent target passes of any size
 
     def seed(self, costs: CostTable, weight: float) -> None:
         if costs.draft_step_seconds > 0:
             self.draft_step.add(costs.draft_step_seconds, weight)
-        for size, seconds in costs.target_block_seconds.items():
-            if size <= self.max_block_size:
-                self.blocks.setdefault(size, DecayedMean(self.decay)).add(seconds, weight)
+        self.reference.update((size, seconds) for size, seconds in costs.target_block_seconds.items()
+                              if size <= self.max_block_size)
+        if self.reference:
+            self.speed.add(1.0, weight)  # the probe's figures as they were measured
 
     def add_block(self, size: int, seconds: float) -> None:
-        self.blocks.setdefault(size, DecayedMean(self.decay))
-        self.blocks[size].add(clipped(seconds, self.blocks[size]))
+        own = self.blocks.setdefault(size, DecayedMean(self.decay))
+        if not self.reference:
+            own.add(clipped(seconds, own))
+            return
+        estimate = self.block_seconds(size)  # a first timing of a size is clipped too, against the anchored figure
+        seconds = min(max(seconds, estimate / OUTLIER_RATIO), estimate * OUTLIER_RATIO)
+        self.speed.add(clipped(seconds / interpolated(sorted(self.reference.items()), size), self.speed))
+        for other, mean in self.blocks.items():
+            if other != size:
+                mean.forget()
+        own.add(seconds)
 
     def block_seconds(self, size: int) -> float | None:
         """Estimated seconds of a target pass over ``size`` tokens (``None`` before any measurement)."""
+        if self.reference:
+            anchored = self.speed.get(1.0) * interpolated(sorted(self.reference.items()), size)
+            own = self.blocks.get(size, DecayedMean(self.decay))
+            return (own.total + ANCHOR_WEIGHT * anchored) / (own.weight + ANCHOR_WEIGHT)
         known = sorted((s, m.get(0.0)) for s, m in self.blocks.items())
-        if not known:
-            return None
-        if len(known) == 1:
-            return known[0][1]
-        for (s0, t0), (s1, t1) in itertools.pairwise(known):
-            if s0 <= size <= s1:
-                return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
-        (s0, t0), (s1, t1) = (known[0], known[1]) if size < known[0][0] else (known[-2], known[-1])
-        slope = max(0.0, (t1 - t0) / (s1 - s0))
-        return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
+        return interpolated(known, size) if known else None
+
+
+def interpolated(known: list[tuple[int, float]], size: int) -> float:
+    """Seconds at ``size`` from ``(size, seconds)`` pairs sorted by size: linear between two known sizes, extrapolated
+    with the nearest slope (not below 0), the one figure itself when only one is known."""
+    if len(known) == 1:
+        return known[0][1]
+    for (s0, t0), (s1, t1) in itertools.pairwise(known):
+        if s0 <= size <= s1:
+            return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
+    (s0, t0), (s1, t1) = (known[0], known[1]) if size < known[0][0] else (known[-2], known[-1])
+    slope = max(0.0, (t1 - t0) / (s1 - s0))
+    return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
 
 
 def clipped(seconds: float, mean: DecayedMean) -> float:
