@@ -106,14 +106,14 @@ class PassCosts:
         self.decay, self.max_block_size = decay, max_block_size
         self.draft_step = DecayedMean(decay)
         self.blocks: dict[int, DecayedMean] = {}  # tokens in a target pass -> seconds
-        self.reference: dict[int, float] = {}  # the probe's seconds by size, kept as measured
+        self.reference: list[tuple[int, float]] = []  # the probe's (size, seconds), sorted by size, kept as measured
         self.speed = DecayedMean(decay)  # measured seconds / the probe's, over recent target passes of any size
 
     def seed(self, costs: CostTable, weight: float) -> None:
         if costs.draft_step_seconds > 0:
             self.draft_step.add(costs.draft_step_seconds, weight)
-        self.reference.update((size, seconds) for size, seconds in costs.target_block_seconds.items()
-                              if size <= self.max_block_size)
+        probed = {size: seconds for size, seconds in costs.target_block_seconds.items() if size <= self.max_block_size}
+        self.reference = sorted({**dict(self.reference), **probed}.items())
         if self.reference:
             self.speed.add(1.0, weight)  # the probe's figures as they were measured
 
@@ -123,8 +123,8 @@ class PassCosts:
             own.add(clipped(seconds, own))
             return
         estimate = self.block_seconds(size)  # a first timing of a size is clipped too, against the anchored figure
-        seconds = min(max(seconds, estimate / OUTLIER_RATIO), estimate * OUTLIER_RATIO)
-        self.speed.add(clipped(seconds / interpolated(sorted(self.reference.items()), size), self.speed))
+        seconds = bounded(seconds, estimate)
+        self.speed.add(clipped(seconds / interpolated(self.reference, size), self.speed))
         for other, mean in self.blocks.items():
             if other != size:
                 mean.forget()
@@ -133,7 +133,7 @@ class PassCosts:
     def block_seconds(self, size: int) -> float | None:
         """Estimated seconds of a target pass over ``size`` tokens (``None`` before any measurement)."""
         if self.reference:
-            anchored = self.speed.get(1.0) * interpolated(sorted(self.reference.items()), size)
+            anchored = self.speed.get(1.0) * interpolated(self.reference, size)
             own = self.blocks.get(size, DecayedMean(self.decay))
             return (own.total + ANCHOR_WEIGHT * anchored) / (own.weight + ANCHOR_WEIGHT)
         known = sorted((s, m.get(0.0)) for s, m in self.blocks.items())
@@ -156,9 +156,11 @@ def interpolated(known: list[tuple[int, float]], size: int) -> float:
 def clipped(seconds: float, mean: DecayedMean) -> float:
     """A new timing, at most `OUTLIER_RATIO` times away from the estimate so far: on a shared machine one slow (or
     fast) phase is noise, and a single outlier would otherwise move the choice for many rounds."""
-    if mean.weight <= 0:
-        return seconds
-    estimate = mean.get(seconds)
+    return seconds if mean.weight <= 0 else bounded(seconds, mean.get(seconds))
+
+
+def bounded(seconds: float, estimate: float) -> float:
+    """``seconds`` moved to within `OUTLIER_RATIO` times of ``estimate``."""
     return min(max(seconds, estimate / OUTLIER_RATIO), estimate * OUTLIER_RATIO)
 
 
@@ -246,7 +248,8 @@ class OnlineSizer:
         self.chosen: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)  # tokens drafted, last rounds
 
     def start_from(self, costs: CostTable, weight: float = 4.0) -> None:
-        """Seed the costs with measured ones, each worth ``weight`` online measurements (which then take over)."""
+        """Seed the costs with measured ones: the draft step and the machine's speed are each worth ``weight`` online
+        measurements (which then take over); each block size leans on the probe's figure (`PassCosts`)."""
         self.costs.seed(costs, weight)
         self.has_costs = True
         best = costs.best_possible_speedup()
