@@ -12,7 +12,7 @@ from helpers import make_noisy_copy, make_tiny_model
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
-from hf_spec.drafting.online import PassCosts, PositionalAcceptance
+from hf_spec.drafting.online import ClockGuard, PassCosts, PositionalAcceptance
 from hf_spec.drafting.speedup import expected_tokens
 
 
@@ -167,6 +167,49 @@ def test_costs_timed_in_a_slow_phase_do_not_hold_the_choice_afterwards():
             costs.add_block(2, 1.02)
     assert anchored.block_seconds(5) == pytest.approx(1.08, rel=0.1)
     assert unanchored.block_seconds(5) > 2.5
+
+
+def clock_vetoed_chooser() -> AutoDraftLength:
+    """The costs say drafting pays (a cheap draft, flat blocks), but 7 plain steps at 1 token per second and 7 steady
+    rounds that drafted 4 tokens, accepted none and took 4 seconds made the clock veto drafting."""
+    chooser = AutoDraftLength()
+    chooser.start_from(CostTable(1.0, 0.1, {n: 1.0 for n in range(1, 12)}))
+    for k, accepted, seconds in [(0, 0, 1.0)] * 7 + [(4, 0, 4.0)] * 7:
+        chooser.update(k, [accepted], 0.1 * k, k, seconds - 0.1 * k)
+    assert chooser.choose(10) == 0
+    return chooser
+
+
+def drafting_share_once_the_draft_fits(chooser: AutoDraftLength, rounds: int) -> float:
+    """Then every drafted token is accepted and costs what the probe said: the share of the last 100 rounds that
+    drafted."""
+    for _ in range(rounds):
+        k = chooser.choose(10)
+        chooser.update(k, [k], 0.1 * k, k, 1.0)
+    return sum(k > 0 for k in list(chooser.chosen)[-100:]) / 100
+
+
+def test_a_clock_veto_is_measured_again_once_the_case_for_drafting_grows(monkeypatch):
+    """A slow start (prose, say) must not keep auto off drafting for the rest of a long call: explorations raise the
+    acceptance, the cost model's case grows past the one the clock refuted, drafting is measured again and goes on.
+    Control: a veto that is never measured again keeps drafting to the explorations."""
+    assert drafting_share_once_the_draft_fits(clock_vetoed_chooser(), rounds=300) > 0.9
+    monkeypatch.setattr("hf_spec.drafting.online.RETEST_GAIN", float("inf"))
+    assert drafting_share_once_the_draft_fits(clock_vetoed_chooser(), rounds=300) < 0.1
+
+
+def test_retests_of_a_clock_veto_stay_few_where_drafting_stays_slow():
+    """Claims that wander between 1x and 2x target-only, while drafting always runs at half the speed of plain steps:
+    each retest (7 drafting rounds: one catching up, 6 steady) needs 1.15x the claim refuted last, so after the first
+    measurement at most log(2) / log(1.15) < 5 more follow, however long the call."""
+    guard, rng, drafting_rounds = ClockGuard(0.97), random.Random(0), 0
+    for _ in range(7):
+        guard.add(False, 1.0, 1.0)  # plain steps at 1 token per second
+    for _ in range(2000):
+        is_drafting = not guard.overrules(rng.uniform(1.0, 2.0))
+        guard.add(is_drafting, 1.0, 2.0 if is_drafting else 1.0)
+        drafting_rounds += is_drafting
+    assert 2 * 7 <= drafting_rounds <= 6 * 7  # retested at least once, at most 5 times
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -15,7 +15,8 @@ k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds
 single token so the acceptance estimate can recover, and each exploration that does not bring drafting back doubles
 the wait, so a draft that does not fit (or blocks too expensive to pay for any draft) costs ever less. The clock has
 the last word: once rounds that drafted have measurably emitted fewer tokens per second than plain target steps, k is
-0 until an exploration says otherwise. What is learnt, and how, is `hf_spec.drafting.online`. `start_from` seeds the
+0 until explorations raise the cost model's case for drafting well above the case the clock refuted; then drafting is
+measured again. What is learnt, and how, is `hf_spec.drafting.online`. `start_from` seeds the
 costs with measured ones (`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process
 for ``"auto"``): the first rounds are then chosen from them, and where even a draft accepted every time could not beat a
 plain step (`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning.
@@ -37,16 +38,21 @@ DEFAULT_NUM_DRAFT_TOKENS = 5
 DEFAULT_MAX_DRAFT_TOKENS = 10
 
 
-def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> int:
-    """The k in ``0 .. len(block_seconds) - 1`` with the most expected tokens per second.
+def draft_length_rates(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> list[float]:
+    """Expected tokens per second drafting k = ``0 .. len(block_seconds) - 1`` tokens: the speed-up formula with costs
+    in seconds instead of target steps.
 
     Args:
         acceptance: ``a_i`` for block positions ``0 .. len(block_seconds) - 2``.
         draft_step_seconds: one draft forward pass (0 for a model-free drafter).
         block_seconds: ``block_seconds[k]``: a target pass over ``k + 1`` tokens.
     """
-    # The speed-up formula with costs in seconds instead of target steps: expected tokens per second.
-    rates = [predicted_speedup(acceptance, k, draft_step_seconds, block_seconds[k]) for k in range(len(block_seconds))]
+    return [predicted_speedup(acceptance, k, draft_step_seconds, block_seconds[k]) for k in range(len(block_seconds))]
+
+
+def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> int:
+    """The k with the most expected tokens per second (`draft_length_rates`)."""
+    rates = draft_length_rates(acceptance, draft_step_seconds, block_seconds)
     return max(range(len(rates)), key=rates.__getitem__)
 
 
@@ -119,8 +125,9 @@ class AutoDraftLength(OnlineSizer):
         if k is None:
             draft_step = self.costs.draft_step.get(0.0)  # 0 until a draft model ran (prompt lookup costs nothing)
             blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
-            k = best_draft_length(self.acceptance(), draft_step, blocks)
-            if k > 0 and self.clock.is_drafting_slower():
+            rates = draft_length_rates(self.acceptance(), draft_step, blocks)
+            k = max(range(len(rates)), key=rates.__getitem__)
+            if k > 0 and self.clock.overrules(rates[k] / rates[0]):
                 k = 0  # the cost model says draft, the clock says no: trust the clock, explore later
         k = min(k, limit)
         self._chose(k)

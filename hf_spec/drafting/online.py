@@ -12,7 +12,7 @@
   recover; each exploration that does not bring drafting back doubles the wait;
 - `ClockGuard`: tokens per second of steady rounds that drafted and of plain steps, so that the clock can overrule
   the cost model (which misses costs such as a draft catching up on skipped tokens) once drafting is slower by a
-  margin (`CLOCK_MARGIN`).
+  margin (`CLOCK_MARGIN`), until the cost model's case for drafting grows by `RETEST_GAIN` (then it measures again).
 
 `OnlineSizer` holds one of each and the rules both sizers share: the probe's costs as a start, k = 0 throughout where
 even a perfect draft cannot pay, the forced choices (before any cost, exploring), and what a finished round teaches.
@@ -40,6 +40,8 @@ OUTLIER_RATIO = 1.5
 ANCHOR_WEIGHT = 1.0
 #: Drafting must be measurably slower than plain steps, by this factor, before the clock overrules the cost model.
 CLOCK_MARGIN = 0.9
+#: A clock veto holds until the cost model's predicted gain from drafting is this many times the gain it refuted.
+RETEST_GAIN = 1.15
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +196,17 @@ class Exploration:
 
 class ClockGuard:
     """Tokens per second of steady rounds that drafted, and of plain target steps (decayed token sums over decayed
-    second sums); a round right after a switch is not steady (the draft catches up on what it skipped)."""
+    second sums); a round right after a switch is not steady (the draft catches up on what it skipped).
+
+    A veto answers the cost model's claim at the time (drafting ``predicted_gain`` times faster than plain steps). It
+    holds until the cost model claims `RETEST_GAIN` times more than the claim refuted (the acceptance rose, say): then
+    the drafting rate is measured again, so that a slow start cannot keep auto off drafting for the rest of the call.
+    Each retest needs a larger claim than the last, and the claim is bounded, so retests are few."""
 
     def __init__(self, decay: float):
         self.rates = {True: DecayedMean(decay), False: DecayedMean(decay)}
         self.was_drafting = False
+        self.refuted_gain: float | None = None  # the claim the drafting rate measured last was slower than
 
     def add(self, is_drafting: bool, emitted: float, seconds: float | None) -> None:
         """One round; ``seconds`` is ``None`` for a round that is not timed (the prefill)."""
@@ -206,12 +214,23 @@ class ClockGuard:
             self.rates[is_drafting].add(emitted / seconds, weight=seconds)  # so the mean is tokens / seconds
         self.was_drafting = is_drafting
 
-    def is_drafting_slower(self) -> bool:
-        """Whether rounds that drafted have emitted fewer tokens per second than plain steps, both measured."""
+    def overrules(self, predicted_gain: float) -> bool:
+        """Whether the clock vetoes a round the cost model would draft, expecting ``predicted_gain`` times the speed
+        of plain steps: only once rounds that drafted have emitted fewer tokens per second than plain steps, both
+        measured, and while the claim is not `RETEST_GAIN` times the one refuted."""
         drafting, plain = self.rates[True], self.rates[False]
         if drafting.count < RATE_EVIDENCE or plain.count < RATE_EVIDENCE:
+            return False  # too little evidence: the cost model decides
+        if drafting.get(0.0) >= CLOCK_MARGIN * plain.get(0.0):
+            self.refuted_gain = None
             return False
-        return drafting.get(0.0) < CLOCK_MARGIN * plain.get(0.0)
+        if self.refuted_gain is None:
+            self.refuted_gain = predicted_gain
+        if predicted_gain <= RETEST_GAIN * self.refuted_gain:
+            return True
+        self.rates[True] = DecayedMean(drafting.decay)  # a stronger claim than the one refuted: measure it again
+        self.refuted_gain = predicted_gain
+        return False
 
 
 class OnlineSizer:

@@ -187,7 +187,7 @@ class AutoTreeSize(OnlineSizer):
                 rate = expected / (depth * step + self.block_seconds(count + 1))
                 if rate > best_rate:
                     best, best_rate = TreeChoice(count, depth, branching), rate
-        if best.num_nodes > 0 and self.clock.is_drafting_slower():
+        if best.num_nodes > 0 and self.clock.overrules(best_rate * self.block_seconds(1)):
             best = TreeChoice(0, depth_limit, 1)  # the cost model says draft, the clock says no
         return self._chose_tree(best, growth)
 
