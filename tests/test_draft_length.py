@@ -170,8 +170,8 @@ def test_costs_timed_in_a_slow_phase_do_not_hold_the_choice_afterwards():
 
 
 def clock_vetoed_chooser() -> AutoDraftLength:
-    """The costs say drafting pays (a cheap draft, flat blocks), but 7 plain steps at 1 token per second and 7 steady
-    rounds that drafted 4 tokens, accepted none and took 4 seconds made the clock veto drafting."""
+    """The costs say drafting pays (a cheap draft, flat blocks), but 7 plain steps at 1 token per second and 7 rounds
+    that drafted 4 tokens, accepted none and took 4 seconds (6 of them steady) made the clock veto drafting."""
     chooser = AutoDraftLength()
     chooser.start_from(CostTable(1.0, 0.1, {n: 1.0 for n in range(1, 12)}))
     for k, accepted, seconds in [(0, 0, 1.0)] * 7 + [(4, 0, 4.0)] * 7:
