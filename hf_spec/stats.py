@@ -25,6 +25,8 @@ class SpeculativeStats:
             (for trees: rounds whose tree reached depth ``i + 1``).
         rounds_by_draft_length: ``rounds_by_draft_length[k]`` counts rounds that drafted k tokens (k varies with
             ``num_assistant_tokens="auto"``, prompt lookup, and near ``max_length``); for trees, k nodes.
+        draft_lengths: the k of each round, in order (0: a plain target step, where auto chose not to draft), so
+            that what an automatic setting chose can be followed through the call.
         rounds_by_accepted: ``rounds_by_accepted[n]`` counts row-rounds that accepted n drafted tokens (for trees,
             the accepted depth).
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
@@ -43,6 +45,7 @@ class SpeculativeStats:
     proposed_by_position: list[int] = dataclasses.field(default_factory=list)
     rounds_by_draft_length: list[int] = dataclasses.field(default_factory=list)
     rounds_by_accepted: list[int] = dataclasses.field(default_factory=list)
+    draft_lengths: list[int] = dataclasses.field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
@@ -84,6 +87,7 @@ class SpeculativeStats:
                 _grow(mine, len(theirs))
                 for i, count in enumerate(theirs):
                     mine[i] += count
+            total.draft_lengths.extend(stats.draft_lengths)
             for name in ("profile", "profile_passes"):
                 if getattr(stats, name) is not None:
                     mine = getattr(total, name) or {}
@@ -115,6 +119,7 @@ class SpeculativeStats:
         self.num_rounds += 1
         _grow(self.rounds_by_draft_length, num_draft_tokens + 1)
         self.rounds_by_draft_length[num_draft_tokens] += 1
+        self.draft_lengths.append(num_draft_tokens)
 
     def _count_tokens(self, num_draft_tokens: int, num_positions: int, num_accepted: int, num_emitted: int) -> None:
         _grow(self.accepted_by_position, num_positions)

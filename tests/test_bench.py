@@ -180,6 +180,11 @@ def test_bench_compares_draft_lengths_schedules_and_prompt_lookup(tmp_path):
     results = {row["method"]: row for row in report["results"]}
     for method in methods:
         assert results[method]["identical_to_target_only"] == 1.0, method
+    for run in report["runs"]:  # the k of each round of hf_spec's calls, in order; none for the others
+        if run["method"].startswith("hf_spec"):
+            assert len(run["draft_lengths"]) == run["target_passes"] and sum(run["draft_lengths"]) == run["proposed"]
+        else:
+            assert run["draft_lengths"] is None, run["method"]
     assert results["hf_spec_k2"]["predicted_speedup"] is not None and "2" in report["costs"]["code"]["block_cost_by_k"]
     for method in ("hf_spec_auto", "transformers_heuristic", "hf_spec_lookup", "transformers_lookup"):
         assert results[method]["predicted_speedup"] is None, method

@@ -14,6 +14,7 @@ from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
 from hf_spec.drafting.online import ClockGuard, PassCosts, PositionalAcceptance
 from hf_spec.drafting.speedup import expected_tokens
+from hf_spec.stats import SpeculativeStats
 
 
 def analytic_best_k(a: float, c: float, b: list[float]) -> int:
@@ -240,6 +241,11 @@ def test_auto_greedy_equals_target_only_and_reports_chosen_k(pair):
     assert sum(stats.rounds_by_draft_length) == stats.num_rounds
     assert stats.mean_draft_length == pytest.approx(
         sum(k * n for k, n in enumerate(stats.rounds_by_draft_length)) / stats.num_rounds)
+    # The k of each round, in order: the histogram's counts, and what the proposals add up to.
+    assert len(stats.draft_lengths) == stats.num_rounds and sum(stats.draft_lengths) == stats.num_draft_tokens
+    assert [stats.draft_lengths.count(k) for k in range(len(stats.rounds_by_draft_length))] == \
+        stats.rounds_by_draft_length
+    assert SpeculativeStats.combine([stats, stats]).draft_lengths == stats.draft_lengths * 2
 
 
 def test_auto_state_does_not_leak_between_calls_unless_an_instance_is_passed(pair):

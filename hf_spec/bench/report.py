@@ -50,6 +50,7 @@ class Run:
     text: str | None = None  # ``new_ids`` decoded, when a tokenizer was given
     profile: dict[str, float] | None = None  # hf_spec's loop, seconds per section (`hf_spec.profiling`)
     profile_passes: dict[str, int] | None = None  # and forward passes per section
+    draft_lengths: list[int] | None = None  # hf_spec: the k of each round, in order (0: a plain target step)
     error: str | None = None  # transformers' own method raised (the call is reported, left out of every figure)
 
 
