@@ -26,8 +26,7 @@ class SpeculativeStats:
         rounds_by_draft_length: ``rounds_by_draft_length[k]`` counts rounds that drafted k tokens (k varies with
             ``num_assistant_tokens="auto"``, prompt lookup, and near ``max_length``); for trees, k nodes.
         draft_lengths: the k of each round, in order (0: a plain target step: auto chose not to draft, or prompt
-            lookup found no match), so that
-            what an automatic setting chose can be followed through the call.
+            lookup found no match), so that what an automatic setting chose can be followed through the call.
         rounds_by_accepted: ``rounds_by_accepted[n]`` counts row-rounds that accepted n drafted tokens (for trees,
             the accepted depth).
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
