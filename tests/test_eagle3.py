@@ -24,6 +24,8 @@ from hf_spec import speculative, without_speculation
 from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.evaluation.head_training import collate, feature_dataset, unroll
 from hf_spec.heads.eagle3 import Eagle3Head
+from hf_spec.heads.model import DraftHead
+from hf_spec.loading.packed import PackedLinear, optimize
 
 AUX = [0, 1, 2]
 
@@ -371,3 +373,17 @@ def test_a_head_converted_to_bfloat16_keeps_its_vocabulary_map(head):
     converted = copy.deepcopy(head).to(torch.bfloat16)
     assert converted.d2t.dtype == torch.int64 and converted.t2d.dtype == torch.bool
     assert torch.equal(converted.draft_to_target(), head.draft_to_target())
+
+
+def test_a_head_built_from_a_packed_target_equals_one_built_from_its_dense_weights(target):
+    """The heads' builders read the target's layers; `hf_spec.loading.packed` holds their linear weights in oneDNN's
+    layout (the path `load_pair` picks where it is fastest), which a plain ``copy_`` cannot read."""
+    packed = copy.deepcopy(target)
+    optimize(packed, path="packed")
+    assert isinstance(packed.model.layers[-1].self_attn.o_proj, PackedLinear)
+    for kind in (Eagle3Head, DraftHead):
+        dense_head, packed_head = (kind.from_target(model, aux_layers=AUX) if kind is Eagle3Head
+                                   else kind.from_target(model) for model in (target, packed))
+        dense_state, packed_state = dense_head.state_dict(), packed_head.state_dict()
+        assert dense_state.keys() == packed_state.keys()
+        assert all(torch.equal(dense_state[name], packed_state[name]) for name in dense_state), kind.__name__

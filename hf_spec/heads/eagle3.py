@@ -149,12 +149,13 @@ class Eagle3Head(DraftHeadBase):
         last = source.layers[-1]
         with torch.no_grad():
             first = head.layers[0]
-            first.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+            theirs = last.self_attn.state_dict()  # dense weights, also where the target's linears are packed (oneDNN)
+            first.self_attn.o_proj.weight.copy_(theirs["o_proj.weight"])
             for name in ("q_proj", "k_proj", "v_proj"):
-                mine, theirs = getattr(first.self_attn, name), getattr(last.self_attn, name)
-                mine.weight.copy_(torch.cat([theirs.weight, theirs.weight], dim=1) / 2)
-                if mine.bias is not None and theirs.bias is not None:
-                    mine.bias.copy_(theirs.bias)
+                mine, weight = getattr(first.self_attn, name), theirs[f"{name}.weight"]
+                mine.weight.copy_(torch.cat([weight, weight], dim=1) / 2)
+                if mine.bias is not None and f"{name}.bias" in theirs:
+                    mine.bias.copy_(theirs[f"{name}.bias"])
             first.mlp.load_state_dict(last.mlp.state_dict())
             first.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
             first.input_layernorm.load_state_dict(last.input_layernorm.state_dict())
