@@ -23,9 +23,8 @@ class SpeculativeStats:
             was accepted (for trees: at depth ``i + 1``).
         proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``
             (for trees: rounds whose tree reached depth ``i + 1``).
-        rounds_by_draft_length: ``rounds_by_draft_length[k]`` counts rounds that drafted k tokens (k varies with
-            ``num_assistant_tokens="auto"``, prompt lookup, and near ``max_length``); for trees, k nodes.
-        draft_lengths: the k of each round, in order (0: a plain target step: auto chose not to draft, or prompt
+        draft_lengths: the k of each round, in order (k varies with ``num_assistant_tokens="auto"``, prompt lookup,
+            and near ``max_length``; for trees, k nodes; 0: a plain target step: auto chose not to draft, or prompt
             lookup found no match), so that what an automatic setting chose can be followed through the call.
         rounds_by_accepted: ``rounds_by_accepted[n]`` counts row-rounds that accepted n drafted tokens (for trees,
             the accepted depth).
@@ -43,7 +42,6 @@ class SpeculativeStats:
     num_emitted: int = 0
     accepted_by_position: list[int] = dataclasses.field(default_factory=list)
     proposed_by_position: list[int] = dataclasses.field(default_factory=list)
-    rounds_by_draft_length: list[int] = dataclasses.field(default_factory=list)
     rounds_by_accepted: list[int] = dataclasses.field(default_factory=list)
     draft_lengths: list[int] = dataclasses.field(default_factory=list)
     draft_seconds: float = 0.0
@@ -63,10 +61,17 @@ class SpeculativeStats:
         return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
 
     @property
+    def rounds_by_draft_length(self) -> list[int]:
+        """``rounds_by_draft_length[k]`` counts rounds that drafted k tokens (`draft_lengths` counted)."""
+        counts = [0] * (max(self.draft_lengths, default=-1) + 1)
+        for num_draft_tokens in self.draft_lengths:
+            counts[num_draft_tokens] += 1
+        return counts
+
+    @property
     def mean_draft_length(self) -> float:
         """Mean tokens drafted per round."""
-        drafted = sum(k * count for k, count in enumerate(self.rounds_by_draft_length))
-        return drafted / self.num_rounds if self.num_rounds else 0.0
+        return sum(self.draft_lengths) / self.num_rounds if self.num_rounds else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -81,8 +86,7 @@ class SpeculativeStats:
             for name in ("num_rounds", "num_draft_tokens", "num_accepted", "num_emitted", "draft_seconds",
                          "verify_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
-            for name in ("accepted_by_position", "proposed_by_position", "rounds_by_draft_length",
-                         "rounds_by_accepted"):
+            for name in ("accepted_by_position", "proposed_by_position", "rounds_by_accepted"):
                 mine, theirs = getattr(total, name), getattr(stats, name)
                 _grow(mine, len(theirs))
                 for i, count in enumerate(theirs):
@@ -117,8 +121,6 @@ class SpeculativeStats:
 
     def _count_round(self, num_draft_tokens: int) -> None:
         self.num_rounds += 1
-        _grow(self.rounds_by_draft_length, num_draft_tokens + 1)
-        self.rounds_by_draft_length[num_draft_tokens] += 1
         self.draft_lengths.append(num_draft_tokens)
 
     def _count_tokens(self, num_draft_tokens: int, num_positions: int, num_accepted: int, num_emitted: int) -> None:
@@ -141,6 +143,7 @@ class SpeculativeStats:
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
             "acceptance_by_position": self.acceptance_by_position,
+            "rounds_by_draft_length": self.rounds_by_draft_length,
             "mean_draft_length": self.mean_draft_length,
         }
 
