@@ -29,7 +29,7 @@ from hf_spec import speculative, without_speculation
 from hf_spec.cli import main
 from hf_spec.drafting.vocabulary import PrunedOutputLayer, prune_vocabulary, pruned_size, restore_vocabulary
 from hf_spec.evaluation.exactness import fit_sequences
-from hf_spec.loading.packed import optimize
+from hf_spec.loading.packed import deoptimize, optimize
 from hf_spec.loading.vocabulary import frequent_token_ids, token_counts
 
 KEPT = [0, 2]  # of the statistical tests' 4 ids
@@ -93,6 +93,15 @@ def test_greedy_ragged_batch_with_a_pruned_draft_equals_target_only(path):
                              **common)
     assert torch.equal(output.sequences, expected)
     assert 0 < output.speculative_stats.num_accepted < output.speculative_stats.num_draft_tokens
+
+
+def test_a_draft_packed_before_pruning_is_refused_with_what_to_do():
+    draft = make_tiny_model(seed=4)  # untied output layer: packed with the others
+    optimize(draft, path="packed")
+    with pytest.raises(ValueError, match=r"type PackedLinear; .*prune before .*optimize`, or `deoptimize"):
+        prune_vocabulary(draft, [0, 2])
+    deoptimize(draft)
+    assert prune_vocabulary(draft, [0, 2]) is draft
 
 
 def test_frequent_ids_from_a_corpus_through_datasets():

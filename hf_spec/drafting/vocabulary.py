@@ -94,8 +94,11 @@ def prune_vocabulary(draft: PreTrainedModel, kept_ids: torch.Tensor | Iterable[i
     restore_vocabulary(draft)
     output = draft.get_output_embeddings()
     if type(output) is not nn.Linear:
+        packed = type(output).__name__ == "PackedLinear"  # `hf_spec.loading.packed`, which imports this module
         raise ValueError(f"`assistant_model` {type(draft).__name__} has an output layer of type "
-                         f"{type(output).__name__}; a pruned vocabulary needs a plain nn.Linear.")
+                         f"{type(output).__name__}; a pruned vocabulary needs a plain nn.Linear"
+                         + (": prune before `hf_spec.loading.packed.optimize`, or `deoptimize(assistant_model)` "
+                            "first." if packed else "."))
     for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(draft.config.get_text_config(), attribute, None) not in (None, 1, 1.0):
             raise ValueError(f"`assistant_model` scales its logits ({attribute}); a pruned vocabulary is not "
