@@ -156,7 +156,8 @@ def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) ->
     if isinstance(rounds, TreeRounds):
         largest, widths = sizer.max_nodes + 1, (1, rounds.drafter.growth[1] or 1)
     else:
-        largest, widths = sizer.max_draft_tokens + 1, (1,)
+        largest = sizer.max_draft_tokens + 1
+        widths = (1, 2) if rounds.drafter.reports_catch_up else (1,)  # 2: the catch-up after a full acceptance
     sizes = probe_sizes(min(largest, max_new_tokens + 1))
     sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths))
 

@@ -161,7 +161,8 @@ class ChainRounds(Rounds):
 
     def learn(self, draft: Proposal, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
               verify_seconds: float | None) -> None:
-        self.sizer.update(draft.num_draft_tokens, num_accepted, draft_seconds, draft.num_model_steps, verify_seconds)
+        self.sizer.update(draft.num_draft_tokens, num_accepted, draft_seconds, draft.num_model_steps, verify_seconds,
+                          num_catch_up_tokens=draft.num_catch_up_tokens)
 
 
 class TreeRounds(Rounds):

@@ -1,12 +1,19 @@
 """Auto k against every fixed k on a simulated pair, with and without phases of a slower machine.
 
     python scripts/sizer_simulation.py --calls 150 --output benchmarks/2026-12-02f/sizer_simulation.json
+    python scripts/sizer_simulation.py --calls 150 --catch-up 0.7 --output benchmarks/2026-12-03b-avx2/catch_up_0.7.json
 
 No model runs: a round's accepted count is drawn (i.i.d. acceptance ``a`` per drafted token), a draft step costs ``c``
 target steps and a target pass over m tokens ``1 + 0.03 (m - 1)``, each timing times a uniform factor in [0.9, 1.1].
 With ``--phases`` the machine switches between normal and 2x slower with probability 0.08 per round (spells of about
 12 rounds), as a shared VM does. Each call decodes 128 tokens; `AutoDraftLength` starts from a probe of the normal
 speed, as in ``generate()``. Reported: auto k's mean tokens per second over the best fixed k's (k = 1..8).
+
+With ``--catch-up P`` the draft's first pass of a round costs P more draft steps when it catches up on a token: after
+a round accepted in full (the last drafted and the bonus token), or after plain steps, each token skipped beyond the
+first 0.07 steps more (a 16-token pass costs about 2 steps on AVX2). P = 0.7 was measured on AVX512-BF16, 0.1 to
+0.2 on AVX2. Auto k then runs twice: told the tokens caught up on
+(``num_catch_up_tokens``, as ``generate()`` does), and not told (the catch-up folded into the step's cost).
 
 A last case is one long call whose text turns from prose to code: 1,024 tokens, a = 0.2 for the first 256 and 0.9
 after, c = 0.3 (without phases; call i draws from seed i for every method, so calls are paired). It also reports the
@@ -32,11 +39,12 @@ def block(size: int) -> float:
 
 
 def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: random.Random, tokens: int = 128,
-         start: tuple[float, int] = (0.0, 0)):
+         start: tuple[float, int] = (0.0, 0), catch_up: float = 0.0, told: bool = True):
     """One call; ``sizer`` is a fixed k or an `AutoDraftLength`; ``start``: the acceptance of the first tokens, and
-    how many. Returns emitted tokens per second."""
+    how many; ``catch_up``: draft steps more for a pass that catches up; ``told``: the sizer hears of it. Returns
+    emitted tokens per second."""
     seconds = emitted = 0.0
-    slow, first = False, True
+    slow, first, lag = False, True, 0  # lag: tokens the draft's next first pass feeds beyond one
     while emitted < tokens:
         k = sizer if isinstance(sizer, int) else sizer.choose(limit=int(tokens - emitted))
         a_now = start[0] if emitted < start[1] else a
@@ -44,19 +52,23 @@ def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: ra
         if phases and rng.random() < 0.08:
             slow = not slow
         factor = 2.0 if slow else 1.0
-        draft = k * c * factor * rng.uniform(0.9, 1.1)
+        extra = lag if k > 0 else 0
+        draft = (k + catch_up * min(extra, 1) + 0.07 * max(0, extra - 1)) * c * factor * rng.uniform(0.9, 1.1)
         verify = block(k + 1) * factor * rng.uniform(0.9, 1.1)
         if not isinstance(sizer, int):
             sizer.update(k, [accepted], draft_seconds=draft, num_model_steps=k,
-                         verify_seconds=None if first else verify)
+                         verify_seconds=None if first else verify, num_catch_up_tokens=extra if told else 0)
+        lag = lag + 1 if k == 0 else int(accepted == k)
         first = False
         seconds, emitted = seconds + draft + verify, emitted + accepted + 1
     return emitted / seconds
 
 
-def auto_sizer(c: float) -> AutoDraftLength:
+def auto_sizer(c: float, catch_up: float = 0.0, told: bool = True) -> AutoDraftLength:
+    """Started from a probe of the normal speed; told of catch-ups, the probe's 2-token draft pass too."""
     sizer = AutoDraftLength()
-    sizer.start_from(CostTable(1.0, c, {size: block(size) for size in range(1, 12)}))
+    passes = {1: c, 2: (1 + catch_up) * c} if catch_up and told else {}
+    sizer.start_from(CostTable(1.0, c, {size: block(size) for size in range(1, 12)}, passes))
     return sizer
 
 
@@ -80,25 +92,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--catch-up", type=float, default=0.0, help="draft steps per token caught up on")
     args = parser.parse_args()
     rows = []
     for phases in (False, True):
         for a, c in CASES:
-            rng = random.Random(3)
-            fixed = {k: statistics.mean(call(k, a, c, phases, rng) for _ in range(args.calls)) for k in range(1, 9)}
-            autos = []
-            for _ in range(args.calls):
-                autos.append(call(auto_sizer(c), a, c, phases, rng))
-            best = max(fixed, key=fixed.get)
-            rows.append({"phases": phases, "acceptance": a, "cost_ratio": c, "best_fixed_k": best,
-                         "fixed": fixed, "auto": statistics.mean(autos),
-                         "auto_over_best_fixed": statistics.mean(autos) / fixed[best]})
-            print(f"phases={phases!s:5} a={a} c={c}: best fixed k = {best}, auto / best fixed = "
-                  f"{rows[-1]['auto_over_best_fixed']:.3f}")
-    rows.append(shift_row(args.calls))
+            rows.append(case_row(a, c, phases, args.calls, args.catch_up))
+    if not args.catch_up:
+        rows.append(shift_row(args.calls))
     if args.output:
         with open(args.output, "w") as file:
-            json.dump({"calls": args.calls, "rows": rows}, file, indent=1)
+            json.dump({"calls": args.calls, "catch_up": args.catch_up, "rows": rows}, file, indent=1)
+
+
+def case_row(a: float, c: float, phases: bool, calls: int, catch_up: float) -> dict:
+    """Every fixed k and auto k (told of catch-ups, and not, where there are any) on the same draws' seed."""
+    rng = random.Random(3)
+    common = {"a": a, "c": c, "phases": phases, "catch_up": catch_up}
+    fixed = {k: statistics.mean(call(k, rng=rng, **common) for _ in range(calls)) for k in range(1, 9)}
+    best = max(fixed, key=fixed.get)
+    row = {"phases": phases, "acceptance": a, "cost_ratio": c, "catch_up": catch_up, "best_fixed_k": best,
+           "fixed": fixed}
+    for told in (True, False) if catch_up else (True,):
+        auto = statistics.mean(call(auto_sizer(c, catch_up, told), rng=rng, told=told, **common) for _ in range(calls))
+        name = "auto" if told else "auto_not_told"
+        row.update({name: auto, f"{name}_over_best_fixed": auto / fixed[best]})
+    print(f"phases={phases!s:5} a={a} c={c}: best fixed k = {best}, auto / best fixed = "
+          + ", ".join(f"{row[name]:.3f} ({name})" for name in row if name.endswith("_over_best_fixed")))
+    return row
 
 
 if __name__ == "__main__":

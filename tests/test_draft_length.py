@@ -9,11 +9,15 @@ import pytest
 import torch
 from helpers import make_noisy_copy, make_tiny_model
 
+import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
+from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.online import ClockGuard, PassCosts, PositionalAcceptance
 from hf_spec.drafting.speedup import expected_tokens
+from hf_spec.plan import start_sizer
+from hf_spec.rounds import ChainRounds
 from hf_spec.stats import SpeculativeStats
 
 
@@ -224,6 +228,52 @@ def test_bad_settings_are_named(kwargs, message):
         AutoDraftLength(**kwargs)
 
 
+def test_rates_price_the_catch_up_that_a_full_acceptance_causes():
+    """After a round accepted in full the draft's next first pass feeds 2 tokens and costs p more than a step: a
+    round of k tokens then costs k c + b_k + a^k p in expectation, and the dearer catch-up pulls k up."""
+    cases = [(0.9, 0.33, 0.23, 0.03), (0.7, 0.42, 0.3, 0.05), (0.95, 0.1, 0.5, 0.0), (0.6, 0.3, 0.2, 0.1)]
+    for a, c, p, slope in cases:
+        blocks = [1.0 + slope * k for k in range(11)]
+        rates = [(1 - a ** (k + 1)) / (1 - a) / (k * c + blocks[k] + (p * a ** k if k else 0.0)) for k in range(11)]
+        assert best_draft_length([a] * 10, c, blocks, p) == max(range(11), key=rates.__getitem__)
+    blocks = [1.0 + 0.03 * k for k in range(11)]
+    assert best_draft_length([0.9] * 10, 0.33, blocks, 0.23) > best_draft_length([0.9] * 10, 0.33 + 0.23, blocks)
+
+
+def catch_up_call(chooser: AutoDraftLength, told: bool, a: float = 0.9, c: float = 0.33, p: float = 0.23,
+                  slope: float = 0.03, rounds: int = 600, seed: int = 6) -> list[int]:
+    """Rounds whose draft pays p more after a round accepted in full (and after plain steps), noise-free;
+    ``told``: the sizer hears how many tokens the first pass caught up on, as `ModelDrafter` tells it."""
+    rng, lag = random.Random(seed), 0
+    for round_index in range(rounds):
+        k = chooser.choose(limit=100)
+        accepted = next((i for i in range(k) if rng.random() >= a), k)
+        extra = lag if k > 0 else 0
+        chooser.update(k, [accepted], k * c + p * min(extra, 1), k, None if round_index == 0 else 1.0 + slope * k,
+                       num_catch_up_tokens=extra if told else 0)
+        lag = lag + 1 if k == 0 else int(accepted == k)
+    return list(chooser.chosen)
+
+
+def test_auto_learns_the_catch_up_apart_from_the_step_and_drafts_more_for_it():
+    """Told of catch-ups, auto k learns the step and the 2-token pass's premium apart and settles on the best k of
+    the model with the catch-up; negative control: folded into the step (how it was), the step looks dearer the
+    smaller k is, and k settles lower."""
+    a, c, p, slope = 0.9, 0.33, 0.23, 0.03
+    probe = {size: 1.0 + slope * (size - 1) for size in range(1, 12)}
+    told, folded = AutoDraftLength(), AutoDraftLength()
+    told.start_from(CostTable(1.0, c, probe, {1: c, 2: c + p}))
+    folded.start_from(CostTable(1.0, c, probe))
+    told_ks, folded_ks = catch_up_call(told, True), catch_up_call(folded, False)
+    assert told.costs.draft_step.get(0.0) == pytest.approx(c) and told.costs.catch_up_ratio == pytest.approx(p / c)
+    assert folded.costs.draft_step.get(0.0) > 1.15 * c and folded.costs.catch_up_ratio == 0.0
+    blocks = [1.0 + slope * k for k in range(11)]
+    best = best_draft_length([a] * 10, c, blocks, p)
+    told_mode = statistics.mode(told_ks[100:])
+    folded_mode = statistics.mode(folded_ks[100:])
+    assert told_mode == best and folded_mode < best, (told_mode, folded_mode, best)
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = speculative(make_tiny_model(seed=20, vocab_size=16))
@@ -246,6 +296,32 @@ def test_auto_greedy_equals_target_only_and_reports_chosen_k(pair):
     assert [stats.draft_lengths.count(k) for k in range(len(stats.rounds_by_draft_length))] == \
         stats.rounds_by_draft_length
     assert SpeculativeStats.combine([stats, stats]).draft_lengths == stats.draft_lengths * 2
+
+
+def test_a_draft_model_reports_the_tokens_its_first_pass_catches_up_on(pair, monkeypatch):
+    """1 after a round accepted in full (the last drafted and the bonus token), 0 after a rejection; and the probe
+    that starts auto k times the draft's 2-token pass for it."""
+    target = pair[0]
+    draft = make_noisy_copy(target, seed=21, noise=0.1)  # accepted in full in some rounds, not in others
+    reports, learn = [], hf_spec.rounds.ChainRounds.learn
+
+    def recording_learn(self, proposal, accepted, num_accepted, draft_seconds, verify_seconds):
+        reports.append((proposal.num_draft_tokens, list(num_accepted), proposal.num_catch_up_tokens))
+        learn(self, proposal, accepted, num_accepted, draft_seconds, verify_seconds)
+
+    monkeypatch.setattr(hf_spec.rounds.ChainRounds, "learn", recording_learn)
+    target.generate(torch.tensor([[1, 2, 3, 4]]), assistant_model=draft, do_sample=False, max_new_tokens=60,
+                    num_assistant_tokens=3)
+    assert reports[0][2] == 3  # the prompt's prefill: 4 tokens
+    for (k, (accepted,), _), (next_k, _, num_catch_up) in zip(reports, reports[1:]):
+        assert num_catch_up == (int(accepted == k) if next_k else 0), reports  # a round near the end may draft 0
+    assert {0, 1} <= {num_catch_up for _, _, num_catch_up in reports[1:]}, reports
+    widths, measure = [], ModelDrafter.measure_passes
+    monkeypatch.setattr(ModelDrafter, "measure_passes", lambda self, ids, passes, repeats: (
+        widths.append(list(passes)), measure(self, ids, passes, repeats))[1])
+    rounds = ChainRounds(ModelDrafter(draft), AutoDraftLength())
+    start_sizer(target, rounds, max_new_tokens=60)
+    assert widths == [[1, 2]] and rounds.sizer.costs.catch_up_ratio >= 0.0
 
 
 def test_auto_state_does_not_leak_between_calls_unless_an_instance_is_passed(pair):

@@ -36,6 +36,9 @@ class Proposal:
     draft_probs: torch.Tensor | None  # [active, k, vocab] the law each token was drawn from; None when greedy
     is_invalid: torch.Tensor  # [2] bool: NaN/inf draft logits; processed scores with NaN/+inf or nothing unmasked
     num_model_steps: int  # draft-model forward passes it took (0 for lookup): what the draft-length chooser times
+    # tokens its first pass fed beyond one (after a round accepted in full: the last drafted and the bonus token; after
+    # plain steps: what they skipped); 0 for drafters that do not report it, whose catch-ups count as steps
+    num_catch_up_tokens: int = 0
 
     @property
     def num_draft_tokens(self) -> int:
@@ -67,6 +70,9 @@ class Drafter(abc.ABC):
     """
 
     feature_layers: list[int] | None = None
+    #: Whether its proposals count `Proposal.num_catch_up_tokens` (a draft model with its own cache): the cost probe
+    #: then times its 2-token pass too, which auto k prices after a round accepted in full.
+    reports_catch_up: bool = False
 
     @abc.abstractmethod
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:

@@ -3,13 +3,21 @@
 `FixedDraftLength` drafts the same k every round (fewer near ``max_length``). `AutoDraftLength`: a round that drafts k
 tokens emits E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1} in expectation (`hf_spec.drafting.speedup`) and
 costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the call,
-and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1))`` before every round:
+and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1) + P(k) * catch_up_seconds)``
+before every round, where P(k) = a_0 ... a_{k-1} is the chance that the round is accepted in full, after which the
+draft's next first pass feeds two tokens (the last drafted one, the bonus one) and costs ``catch_up_seconds`` more
+than a step:
 
 - acceptance per block position: counts with exponential forgetting (so it follows the text as it changes between
   code and prose), shrunk towards the pooled rate of all positions, which is shrunk towards a prior;
-- costs: the draft's seconds per forward pass and the target's seconds per pass of each block size, measured (means
-  with forgetting); a block size not measured yet is interpolated, or extrapolated with the slope measured so far
-  (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed.
+- costs: the draft's seconds per 1-token forward pass and the target's seconds per pass of each block size, measured
+  (means with forgetting); a block size not measured yet is interpolated, or extrapolated with the slope measured so
+  far (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed. The
+  catch-up is the probe's ratio of a 2-token to a 1-token draft pass (timed interleaved, so a slow phase of the
+  machine hits both) times the step: a round whose first pass caught up counts as its steps plus that premium (a
+  longer catch-up, after plain steps, as one premium too: passes of more tokens cost less per token). Folding the
+  catch-up into the step instead priced a step at ``step + P(k) catch_up / k``, the dearer the smaller k, which
+  pulled k down where acceptance is high.
 
 k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts a
 single token so the acceptance estimate can recover, and each exploration that does not bring drafting back doubles
@@ -30,7 +38,7 @@ from __future__ import annotations
 
 from hf_spec.checks import check_int
 from hf_spec.drafting.online import OnlineSizer
-from hf_spec.drafting.speedup import predicted_speedup
+from hf_spec.drafting.speedup import expected_tokens, fully_accepted
 
 #: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
 DEFAULT_NUM_DRAFT_TOKENS = 5
@@ -38,21 +46,27 @@ DEFAULT_NUM_DRAFT_TOKENS = 5
 DEFAULT_MAX_DRAFT_TOKENS = 10
 
 
-def draft_length_rates(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> list[float]:
+def draft_length_rates(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float],
+                       catch_up_seconds: float = 0.0) -> list[float]:
     """Expected tokens per second drafting k = ``0 .. len(block_seconds) - 1`` tokens: the speed-up formula with costs
-    in seconds instead of target steps.
+    in seconds instead of target steps, and the catch-up a fully accepted round causes.
 
     Args:
         acceptance: ``a_i`` for block positions ``0 .. len(block_seconds) - 2``.
-        draft_step_seconds: one draft forward pass (0 for a model-free drafter).
+        draft_step_seconds: one draft forward pass over one token (0 for a model-free drafter).
         block_seconds: ``block_seconds[k]``: a target pass over ``k + 1`` tokens.
+        catch_up_seconds: what the draft's first pass after a round accepted in full costs beyond a step (0 for a
+            drafter that does not catch up).
     """
-    return [predicted_speedup(acceptance, k, draft_step_seconds, block_seconds[k]) for k in range(len(block_seconds))]
+    return [expected_tokens(acceptance, k) / (k * draft_step_seconds + block_seconds[k]
+                                              + (catch_up_seconds * fully_accepted(acceptance, k) if k else 0.0))
+            for k in range(len(block_seconds))]
 
 
-def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float]) -> int:
+def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float],
+                      catch_up_seconds: float = 0.0) -> int:
     """The k with the most expected tokens per second (`draft_length_rates`)."""
-    rates = draft_length_rates(acceptance, draft_step_seconds, block_seconds)
+    rates = draft_length_rates(acceptance, draft_step_seconds, block_seconds, catch_up_seconds)
     return max(range(len(rates)), key=rates.__getitem__)
 
 
@@ -68,7 +82,7 @@ class FixedDraftLength:
         return min(self.num_draft_tokens, limit)
 
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None) -> None:
+               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
         """Nothing to learn."""
 
 
@@ -86,7 +100,7 @@ class HeuristicDraftLength:
         return min(self.num_draft_tokens, limit)
 
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None) -> None:
+               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
         if num_draft_tokens == 0:
             return
         is_full = all(accepted == num_draft_tokens for accepted in num_accepted)
@@ -125,7 +139,7 @@ class AutoDraftLength(OnlineSizer):
         if k is None:
             draft_step = self.costs.draft_step.get(0.0)  # 0 until a draft model ran (prompt lookup costs nothing)
             blocks = [self.block_seconds(size) for size in range(1, limit + 2)]
-            rates = draft_length_rates(self.acceptance(), draft_step, blocks)
+            rates = draft_length_rates(self.acceptance(), draft_step, blocks, self.costs.catch_up_ratio * draft_step)
             k = max(range(len(rates)), key=rates.__getitem__)
             if k > 0 and self.clock.overrules(rates[k] / rates[0]):
                 k = 0  # the cost model says draft, the clock says no: trust the clock, explore later
@@ -134,13 +148,14 @@ class AutoDraftLength(OnlineSizer):
         return k
 
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None) -> None:
+               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
         """Learn from a finished round: each active row's accepted count, and the round's timings.
 
         Args:
             num_draft_tokens: tokens proposed per row this round.
             num_accepted: per active row.
             verify_seconds: the target pass, or ``None`` when it must not be timed (the first round's prefill).
+            num_catch_up_tokens: tokens the draft's first pass fed beyond one (`Proposal.num_catch_up_tokens`).
         """
         for accepted in num_accepted:
             for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
@@ -149,4 +164,4 @@ class AutoDraftLength(OnlineSizer):
             self.first.forget_unreached(min(num_draft_tokens, max(num_accepted, default=-1) + 1))
         emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
         self._learn_round(num_draft_tokens + 1, self.costs.draft_step, draft_seconds, num_model_steps,
-                          verify_seconds, emitted)
+                          verify_seconds, emitted, self.costs.catch_up_ratio * min(num_catch_up_tokens, 1))

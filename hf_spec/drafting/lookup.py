@@ -48,6 +48,8 @@ class PromptLookupDrafter(Drafter):
 class LookupThenModel(Drafter):
     """Prompt lookup when every active row finds a match, the draft model otherwise."""
 
+    reports_catch_up = True  # the draft model's rounds do
+
     def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
 

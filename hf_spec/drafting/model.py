@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import crop_to, new_cache, select_rows
+from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
 from hf_spec.forward import extend_mask, forward_missing, position_table
@@ -14,6 +14,8 @@ from hf_spec.rows import RaggedBatch
 
 class ModelDrafter(Drafter):
     """Drafts with a model that shares the target's tokenizer, from its own cache (`hf_spec.caches` invariant)."""
+
+    reports_catch_up = True
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
@@ -29,6 +31,7 @@ class ModelDrafter(Drafter):
         draft_ids = model_ids.new_empty((batch.num_active, 0))
         probs = []
         is_invalid = torch.zeros(2, dtype=torch.bool, device=model_ids.device)  # [raw logits, processed scores]
+        num_catch_up = max(0, model_ids.shape[1] - cache_length(self.cache) - 1) if num_draft_tokens else 0
         for i in range(num_draft_tokens):
             prefix_ids = torch.cat([model_ids, draft_ids], dim=1)  # [active, columns + i]
             logits, _ = forward_missing(
@@ -42,7 +45,7 @@ class ModelDrafter(Drafter):
             if is_unconfident(step_probs, next_ids, context):
                 break
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
-                        num_model_steps=draft_ids.shape[1])
+                        num_model_steps=draft_ids.shape[1], num_catch_up_tokens=num_catch_up)
 
     def match_cache(self, static_length: int | None) -> None:
         self.static_length = static_length

@@ -4,10 +4,10 @@
 - `PositionalAcceptance`: the probability that a drafted token is accepted once reached, per block position (or tree
   depth), counted with exponential forgetting and shrunk towards the pooled rate of all positions, itself shrunk
   towards a prior;
-- `PassCosts`: seconds of a draft pass and of target passes by size, seeded by the cost probe
-  (`hf_spec.drafting.costs`) and then measured, each new timing clipped to within `OUTLIER_RATIO` of the estimate so
-  far (on a shared machine the same pass can take twice as long from one second to the next); a size not measured
-  yet is interpolated, or extrapolated with the slope measured so far;
+- `PassCosts`: seconds of a draft pass (and of its 2-token catch-up beyond that) and of target passes by size, seeded
+  by the cost probe (`hf_spec.drafting.costs`) and then measured, each new timing clipped to within `OUTLIER_RATIO`
+  of the estimate so far (on a shared machine the same pass can take twice as long from one second to the next); a
+  size not measured yet is interpolated, or extrapolated with the slope measured so far;
 - `Exploration`: after rounds without drafting, one round drafts a single token so the acceptance estimate can
   recover; each exploration that does not bring drafting back doubles the wait;
 - `ClockGuard`: tokens per second of steady rounds that drafted and of plain steps, so that the clock can overrule
@@ -96,7 +96,8 @@ class PositionalAcceptance:
 
 
 class PassCosts:
-    """Seconds of a draft pass (``draft_step``) and of target passes by size (``block_seconds``).
+    """Seconds of a draft pass over one token (``draft_step``), what its 2-token catch-up pass costs beyond that
+    (``catch_up_ratio`` steps), and of target passes by size (``block_seconds``).
 
     A size is measured only while the sizer asks for it, so its estimate can go stale: a size timed once in a slow
     phase of a shared machine would otherwise keep its slow figure for the rest of the call, and keep the sizer off
@@ -107,6 +108,7 @@ class PassCosts:
     def __init__(self, decay: float, max_block_size: int):
         self.decay, self.max_block_size = decay, max_block_size
         self.draft_step = DecayedMean(decay)
+        self.catch_up_ratio = 0.0  # a draft pass over 2 tokens costs 1 + this many steps (the probe's, if it timed it)
         self.blocks: dict[int, DecayedMean] = {}  # tokens in a target pass -> seconds
         self.reference: list[tuple[int, float]] = []  # the probe's (size, seconds), sorted by size, kept as measured
         self.speed = DecayedMean(decay)  # measured seconds / the probe's, over recent target passes of any size
@@ -114,6 +116,8 @@ class PassCosts:
     def seed(self, costs: CostTable, weight: float) -> None:
         if costs.draft_step_seconds > 0:
             self.draft_step.add(costs.draft_step_seconds, weight)
+            two_tokens = costs.draft_pass_seconds.get(2, costs.draft_step_seconds)  # both timed in one interleaved loop
+            self.catch_up_ratio = max(0.0, two_tokens / costs.draft_step_seconds - 1.0)
         probed = {size: seconds for size, seconds in costs.target_block_seconds.items() if size <= self.max_block_size}
         self.reference = sorted({**dict(self.reference), **probed}.items())
         if self.reference:
@@ -301,13 +305,15 @@ class OnlineSizer:
         self.chosen.append(num_drafted)
 
     def _learn_round(self, num_block_tokens: int, draft_step: DecayedMean, draft_seconds: float,
-                     num_model_steps: int, verify_seconds: float | None, emitted: float) -> None:
-        """A round's timings (a draft pass into ``draft_step``, the target pass over ``num_block_tokens`` tokens,
-        tokens per second) and what it means for exploration; untimed rounds (the prefill) teach no cost."""
+                     num_model_steps: int, verify_seconds: float | None, emitted: float,
+                     catch_up_steps: float = 0.0) -> None:
+        """A round's timings (a draft pass into ``draft_step``, its passes worth ``num_model_steps`` plus
+        ``catch_up_steps`` steps, the target pass over ``num_block_tokens`` tokens, tokens per second) and what it
+        means for exploration; untimed rounds (the prefill) teach no cost."""
         is_drafting = num_block_tokens > 1
         if verify_seconds is not None:
             if num_model_steps > 0:
-                draft_step.add(clipped(draft_seconds / num_model_steps, draft_step))
+                draft_step.add(clipped(draft_seconds / (num_model_steps + catch_up_steps), draft_step))
             self.costs.add_block(num_block_tokens, verify_seconds)
         self.clock.add(is_drafting, emitted, None if verify_seconds is None else draft_seconds + verify_seconds)
         self.exploration.learn(is_drafting)

@@ -23,6 +23,14 @@ def expected_tokens(acceptance: float | Sequence[float], k: int) -> float:
     return total
 
 
+def fully_accepted(acceptance: float | Sequence[float], k: int) -> float:
+    """P(all k drafted tokens accepted) = a_0 a_1 ... a_{k-1} (1 for k = 0)."""
+    total = 1.0
+    for i in range(k):
+        total *= acceptance if isinstance(acceptance, (int, float)) else acceptance[i]
+    return total
+
+
 def round_cost(k: int, cost_ratio: float, block_cost: float = 1.0) -> float:
     """k c + b: a round's cost in target decode steps (k draft steps, one (k+1)-token target pass)."""
     return k * cost_ratio + block_cost
