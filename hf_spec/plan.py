@@ -147,6 +147,12 @@ def cross_tokenizer_drafter(assistant_model: Any, tokenizers: tuple[Any, Any], t
     return CrossTokenizerDrafter(assistant_model, *tokenizers)
 
 
+def chain_draft_widths(drafter: Drafter | None) -> tuple[int, ...]:
+    """The draft passes the probe times for auto k: the step, and the 2-token catch-up where ``drafter`` reports it
+    (`hf_spec.bench` probes with the same, so that its timed calls find the probe made)."""
+    return (1, 2) if drafter is not None and drafter.reports_catch_up else (1,)
+
+
 def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) -> None:
     """An automatic sizer without costs starts from the probe's (once per process and models): target passes up to
     the largest the call can use, and the drafter's step (a tree's drafter: its level width too)."""
@@ -156,8 +162,7 @@ def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) ->
     if isinstance(rounds, TreeRounds):
         largest, widths = sizer.max_nodes + 1, (1, rounds.drafter.growth[1] or 1)
     else:
-        largest = sizer.max_draft_tokens + 1
-        widths = (1, 2) if rounds.drafter.reports_catch_up else (1,)  # 2: the catch-up after a full acceptance
+        largest, widths = sizer.max_draft_tokens + 1, chain_draft_widths(rounds.drafter)
     sizes = probe_sizes(min(largest, max_new_tokens + 1))
     sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths))
 

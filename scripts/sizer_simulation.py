@@ -12,8 +12,8 @@ speed, as in ``generate()``. Reported: auto k's mean tokens per second over the 
 With ``--catch-up P`` the draft's first pass of a round costs P more draft steps when it catches up on a token: after
 a round accepted in full (the last drafted and the bonus token), or after plain steps, each token skipped beyond the
 first 0.07 steps more (a 16-token pass costs about 2 steps on AVX2). P = 0.7 was measured on AVX512-BF16, 0.1 to
-0.2 on AVX2. Auto k then runs twice: told the tokens caught up on
-(``num_catch_up_tokens``, as ``generate()`` does), and not told (the catch-up folded into the step's cost).
+0.2 on AVX2. Auto k then runs twice: told the tokens caught up on (``num_catch_up_tokens``, as ``generate()`` does),
+and not told (the catch-up folded into the step's cost). Without ``--catch-up`` the script is what it was.
 
 A last case is one long call whose text turns from prose to code: 1,024 tokens, a = 0.2 for the first 256 and 0.9
 after, c = 0.3 (without phases; call i draws from seed i for every method, so calls are paired). It also reports the
@@ -53,7 +53,8 @@ def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: ra
             slow = not slow
         factor = 2.0 if slow else 1.0
         extra = lag if k > 0 else 0
-        draft = (k + catch_up * min(extra, 1) + 0.07 * max(0, extra - 1)) * c * factor * rng.uniform(0.9, 1.1)
+        premium = catch_up * min(extra, 1) + 0.07 * max(0, extra - 1) if catch_up else 0.0
+        draft = (k + premium) * c * factor * rng.uniform(0.9, 1.1)
         verify = block(k + 1) * factor * rng.uniform(0.9, 1.1)
         if not isinstance(sizer, int):
             sizer.update(k, [accepted], draft_seconds=draft, num_model_steps=k,

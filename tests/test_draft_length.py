@@ -321,7 +321,7 @@ def test_a_draft_model_reports_the_tokens_its_first_pass_catches_up_on(pair, mon
         widths.append(list(passes)), measure(self, ids, passes, repeats))[1])
     rounds = ChainRounds(ModelDrafter(draft), AutoDraftLength())
     start_sizer(target, rounds, max_new_tokens=60)
-    assert widths == [[1, 2]] and rounds.sizer.costs.catch_up_ratio >= 0.0
+    assert widths and all(asked == [1, 2] for asked in widths) and rounds.sizer.costs.catch_up_ratio >= 0.0
 
 
 def test_auto_state_does_not_leak_between_calls_unless_an_instance_is_passed(pair):

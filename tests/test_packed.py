@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 import hf_spec.rounds
 from hf_spec import AutoDraftLength, speculative, without_speculation
 from hf_spec.bench.measure import weight_bytes
+from hf_spec.drafting import costs
 from hf_spec.drafting.costs import CostTable, probe_costs
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.evaluation.exactness import fit_sequences
@@ -187,6 +188,26 @@ def test_costs_are_probed_once_per_process_and_models():
     assert probe_costs(target, ModelDrafter(draft), (2, 3, 4, 5)) is first, "keyed by the draft model, not the drafter"
     assert set(first.target_block_seconds) == {1, 2, 3, 4, 5} and first.draft_step_seconds > 0
     assert probe_costs(target, None, (2, 3, 4, 5)).draft_step_seconds == 0.0
+
+
+def test_the_probe_times_the_two_models_in_turns_so_a_slow_phase_spoils_one_repeat(monkeypatch):
+    """One repeat of each model at a time, medians over the repeats: a slow phase during the draft's first repeat
+    (5 s where its step costs 0.3 s) leaves the draft's figures alone. Timed in one go, all its passes fell in it."""
+    order, draft_seconds = [], iter([5.0, 0.3, 0.3])
+    monkeypatch.setattr(costs, "forward_seconds", lambda model, ids, widths, repeats: order.append(("target", repeats))
+                        or {width: 1.0 + 0.1 * width for width in widths})
+
+    class PhasedDrafter(ModelDrafter):
+        def measure_passes(self, prefix_ids, widths, repeats):
+            order.append(("draft", repeats))
+            seconds = next(draft_seconds)
+            return {width: seconds * width for width in widths}
+
+    table = costs.measure_costs(make_tiny_model(seed=0), PhasedDrafter(make_tiny_model(seed=1)),
+                                torch.tensor([[1, 2, 3]]), [2, 3], repeats=3, draft_widths=(1, 2))
+    assert order == [("target", 1), ("draft", 1)] * 3
+    assert table.draft_step_seconds == 0.3 and table.draft_pass_seconds == {1: 0.3, 2: 0.6}
+    assert table.target_block_seconds == pytest.approx({1: 1.1, 2: 1.2, 3: 1.3})
 
 
 def hopeless_costs() -> CostTable:

@@ -47,7 +47,7 @@ from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative
-from hf_spec.plan import cross_tokenizer_drafter, make_drafter
+from hf_spec.plan import chain_draft_widths, cross_tokenizer_drafter, make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ def run_benchmark(
              for suffix in dict.fromkeys(plan.pair_of[m] for m, spec in plan.specs.items() if spec.uses_draft)
              for name, prompts in workloads.items()}
     largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
-    cost_table = probe_costs(plan.pairs[""][0], plan.drafter(plan.pairs[""][1]), probe_sizes(largest))
+    drafter = plan.drafter(plan.pairs[""][1])
+    cost_table = probe_costs(plan.pairs[""][0], drafter, probe_sizes(largest), draft_widths=chain_draft_widths(drafter))
     profile = plan.pairs[""][0].device.type == "cpu" if profile is None else profile
     graphs_before = _compiled_graphs(plan)
     runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
