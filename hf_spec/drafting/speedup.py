@@ -14,21 +14,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def expected_tokens(acceptance: float | Sequence[float], k: int) -> float:
-    """E[tokens per target pass] drafting k tokens; ``acceptance`` is a or the per-position a_0, a_1, ..."""
-    total, reach = 1.0, 1.0
-    for i in range(k):
-        reach *= acceptance if isinstance(acceptance, (int, float)) else acceptance[i]
-        total += reach
-    return total
-
-
 def fully_accepted(acceptance: float | Sequence[float], k: int) -> float:
     """P(all k drafted tokens accepted) = a_0 a_1 ... a_{k-1} (1 for k = 0)."""
     total = 1.0
     for i in range(k):
         total *= acceptance if isinstance(acceptance, (int, float)) else acceptance[i]
     return total
+
+
+def expected_tokens(acceptance: float | Sequence[float], k: int) -> float:
+    """E[tokens per target pass] drafting k tokens; ``acceptance`` is a or the per-position a_0, a_1, ..."""
+    return sum(fully_accepted(acceptance, i) for i in range(k + 1))
 
 
 def round_cost(k: int, cost_ratio: float, block_cost: float = 1.0) -> float:
