@@ -15,6 +15,10 @@ first 0.07 steps more (a 16-token pass costs about 2 steps on AVX2). P = 0.7 was
 0.2 on AVX2. Auto k then runs twice: told the tokens caught up on (``num_catch_up_tokens``, as ``generate()`` does),
 and not told (the catch-up folded into the step's cost). Without ``--catch-up`` the script is what it was.
 
+With ``--probe-error F`` the probe that seeds every auto call timed the draft F times too slow (a probe in a slow
+phase of the machine: F = 2.5 was seen on AVX2, 295 ms against 119 ms in the run), as ``generate()``'s cost probe,
+made once per process, seeds every call of that process.
+
 A last case is one long call whose text turns from prose to code: 1,024 tokens, a = 0.2 for the first 256 and 0.9
 after, c = 0.3 (without phases; call i draws from seed i for every method, so calls are paired). It also reports the
 share of calls whose last 100 rounds drafted in fewer than half (auto stuck at plain steps on code).
@@ -65,11 +69,13 @@ def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: ra
     return emitted / seconds
 
 
-def auto_sizer(c: float, catch_up: float = 0.0, told: bool = True) -> AutoDraftLength:
-    """Started from a probe of the normal speed; told of catch-ups, the probe's 2-token draft pass too."""
+def auto_sizer(c: float, catch_up: float = 0.0, told: bool = True, probe_error: float = 1.0) -> AutoDraftLength:
+    """Started from a probe of the normal speed (the draft's ``probe_error`` times too slow); told of catch-ups, the
+    probe's 2-token draft pass too."""
     sizer = AutoDraftLength()
-    passes = {1: c, 2: (1 + catch_up) * c} if catch_up and told else {}
-    sizer.start_from(CostTable(1.0, c, {size: block(size) for size in range(1, 12)}, passes))
+    probed = c * probe_error
+    passes = {1: probed, 2: (1 + catch_up) * probed} if catch_up and told else {}
+    sizer.start_from(CostTable(1.0, probed, {size: block(size) for size in range(1, 12)}, passes))
     return sizer
 
 
@@ -94,19 +100,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--output", default=None)
     parser.add_argument("--catch-up", type=float, default=0.0, help="draft steps per token caught up on")
+    parser.add_argument("--probe-error", type=float, default=1.0, help="the probe's draft step over the true one")
     args = parser.parse_args()
     rows = []
     for phases in (False, True):
         for a, c in CASES:
-            rows.append(case_row(a, c, phases, args.calls, args.catch_up))
-    if not args.catch_up:
+            rows.append(case_row(a, c, phases, args.calls, args.catch_up, args.probe_error))
+    if not args.catch_up and args.probe_error == 1.0:
         rows.append(shift_row(args.calls))
     if args.output:
         with open(args.output, "w") as file:
-            json.dump({"calls": args.calls, "catch_up": args.catch_up, "rows": rows}, file, indent=1)
+            json.dump({"calls": args.calls, "catch_up": args.catch_up, "probe_error": args.probe_error, "rows": rows},
+                      file, indent=1)
 
 
-def case_row(a: float, c: float, phases: bool, calls: int, catch_up: float) -> dict:
+def case_row(a: float, c: float, phases: bool, calls: int, catch_up: float, probe_error: float = 1.0) -> dict:
     """Every fixed k and auto k (told of catch-ups, and not, where there are any) on the same draws' seed."""
     rng = random.Random(3)
     common = {"a": a, "c": c, "phases": phases, "catch_up": catch_up}
@@ -115,7 +123,8 @@ def case_row(a: float, c: float, phases: bool, calls: int, catch_up: float) -> d
     row = {"phases": phases, "acceptance": a, "cost_ratio": c, "catch_up": catch_up, "best_fixed_k": best,
            "fixed": fixed}
     for told in (True, False) if catch_up else (True,):
-        auto = statistics.mean(call(auto_sizer(c, catch_up, told), rng=rng, told=told, **common) for _ in range(calls))
+        runs = [call(auto_sizer(c, catch_up, told, probe_error), rng=rng, told=told, **common) for _ in range(calls)]
+        auto = statistics.mean(runs)
         name = "auto" if told else "auto_not_told"
         row.update({name: auto, f"{name}_over_best_fixed": auto / fixed[best]})
     print(f"phases={phases!s:5} a={a} c={c}: best fixed k = {best}, auto / best fixed = "

@@ -13,8 +13,9 @@ import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
+from hf_spec.drafting.estimates import SHIFT_EVIDENCE, DecayedMean, PassCosts, PositionalAcceptance
 from hf_spec.drafting.model import ModelDrafter
-from hf_spec.drafting.online import ClockGuard, PassCosts, PositionalAcceptance
+from hf_spec.drafting.online import ClockGuard
 from hf_spec.drafting.speedup import expected_tokens
 from hf_spec.plan import start_sizer
 from hf_spec.rounds import ChainRounds
@@ -172,6 +173,49 @@ def test_costs_timed_in_a_slow_phase_do_not_hold_the_choice_afterwards():
             costs.add_block(2, 1.02)
     assert anchored.block_seconds(5) == pytest.approx(1.08, rel=0.1)
     assert unanchored.block_seconds(5) > 2.5
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.4])
+def test_a_probe_contradicted_by_the_first_timings_gives_way(scale):
+    """The probe timed the draft step at 0.3 s; the call's first timings say 0.12 s. At the probe's machine speed
+    (``scale`` 1) that is a wrong probe: the estimate restarts from them. Control: with the target's passes running
+    at 0.4x the probe's seconds in the same rounds, the draft is as fast as the probe said relative to the target
+    (the ratio that decides k held), and the timings are only clipped. A second control: after the seed is judged,
+    a run of outliers is clipped too (a phase of the machine, not a wrong probe)."""
+    step = DecayedMean(0.97)
+    step.seed(0.3, 4.0)
+    for _ in range(SHIFT_EVIDENCE):
+        step.add_timing(0.12, scale=scale)
+    if scale == 1.0:
+        assert step.get(0.0) == pytest.approx(0.12) and step.count == 1 + SHIFT_EVIDENCE
+        for _ in range(SHIFT_EVIDENCE):
+            step.add_timing(0.36)
+        assert step.get(0.0) < 0.17
+    else:
+        assert step.get(0.0) > 0.2
+
+
+@pytest.mark.parametrize("true_c", [0.42, 1.05])
+def test_a_probe_that_calls_drafting_hopeless_is_checked_by_the_first_rounds(true_c):
+    """The probe timed the draft at 1.05 target steps (hopeless: even a perfect draft loses), as a probe in a slow
+    phase can. The call explores; where its draft steps take 0.42 target steps the seed gives way, drafting pays and
+    auto drafts in nearly every round (a = 0.9); where they take what the probe said, it stays at plain steps after `SHIFT_EVIDENCE`
+    1-token rounds (the control)."""
+    rng = random.Random(0)
+    chooser = AutoDraftLength()
+    chooser.start_from(CostTable(1.0, 1.05, {size: 1.0 + 0.03 * (size - 1) for size in range(1, 12)}))
+    assert chooser.is_hopeless
+    for round_index in range(60):
+        k = chooser.choose(10)
+        accepted = next((i for i in range(k) if rng.random() >= 0.9), k)
+        chooser.update(k, [accepted], draft_seconds=true_c * k, num_model_steps=k,
+                       verify_seconds=None if round_index == 0 else 1.0 + 0.03 * k)
+    drafted = [k for k in chooser.chosen if k > 0]
+    if true_c < 1.0:
+        later = list(chooser.chosen)[10:]
+        assert not chooser.is_hopeless and sum(k > 0 for k in later) >= 0.9 * len(later)
+    else:
+        assert chooser.is_hopeless and drafted == [1] * SHIFT_EVIDENCE
 
 
 def clock_vetoed_chooser() -> AutoDraftLength:

@@ -27,7 +27,8 @@ import heapq
 
 from hf_spec.checks import check_int
 from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.online import MAX_CHOSEN, DecayedMean, OnlineSizer, PositionalAcceptance
+from hf_spec.drafting.estimates import DecayedMean, PositionalAcceptance
+from hf_spec.drafting.online import MAX_CHOSEN, OnlineSizer
 from hf_spec.drafting.tree import DraftTree
 
 #: The node budget most with ``num_tree_nodes="auto"``: the probe measures target passes up to this many + 1 tokens.
@@ -195,7 +196,7 @@ class AutoTreeSize(OnlineSizer):
         """Once: a tree level's draft pass starts from the probe's pass nearest the level's width (a step if none)."""
         if self._probed_passes:
             nearest = min(self._probed_passes, key=lambda size: abs(size - (width or 1)))
-            self.tree_step.add(self._probed_passes[nearest], self._seed_weight)
+            self.tree_step.seed(self._probed_passes[nearest], self._seed_weight)
             self._probed_passes = {}
 
     def _chose_tree(self, choice: TreeChoice, growth: tuple[int, int | None]) -> TreeChoice:
