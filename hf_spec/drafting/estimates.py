@@ -70,7 +70,7 @@ class DecayedMean:
         self.first_scales.append(scale)
         if len(self.first_timings) < SHIFT_EVIDENCE:
             return
-        ratios = [timing / scale / self.seeded for timing, scale in zip(self.first_timings, self.first_scales)]
+        ratios = [timing / speed / self.seeded for timing, speed in zip(self.first_timings, self.first_scales)]
         if all(ratio > OUTLIER_RATIO for ratio in ratios) or all(ratio < 1 / OUTLIER_RATIO for ratio in ratios):
             count, self.total, self.weight = self.count, 0.0, 0.0
             for timing in self.first_timings:
