@@ -12,7 +12,7 @@ from helpers import make_noisy_copy, make_tiny_model
 import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length
+from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length, draft_length_rates
 from hf_spec.drafting.estimates import SHIFT_EVIDENCE, DecayedMean, PassCosts, PositionalAcceptance
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.online import ClockGuard
@@ -199,8 +199,8 @@ def test_a_probe_contradicted_by_the_first_timings_gives_way(scale):
 def test_a_probe_that_calls_drafting_hopeless_is_checked_by_the_first_rounds(true_c):
     """The probe timed the draft at 1.05 target steps (hopeless: even a perfect draft loses), as a probe in a slow
     phase can. The call explores; where its draft steps take 0.42 target steps the seed gives way, drafting pays and
-    auto drafts in nearly every round (a = 0.9); where they take what the probe said, it stays at plain steps after `SHIFT_EVIDENCE`
-    1-token rounds (the control)."""
+    auto drafts in nearly every round (a = 0.9); where they take what the probe said, it stays at plain steps after
+    `SHIFT_EVIDENCE` 1-token rounds (the control)."""
     rng = random.Random(0)
     chooser = AutoDraftLength()
     chooser.start_from(CostTable(1.0, 1.05, {size: 1.0 + 0.03 * (size - 1) for size in range(1, 12)}))
@@ -216,6 +216,22 @@ def test_a_probe_that_calls_drafting_hopeless_is_checked_by_the_first_rounds(tru
         assert not chooser.is_hopeless and sum(k > 0 for k in later) >= 0.9 * len(later)
     else:
         assert chooser.is_hopeless and drafted == [1] * SHIFT_EVIDENCE
+
+
+@pytest.mark.parametrize("rejections", [1, 30])
+def test_one_early_rejection_does_not_switch_drafting_off_while_one_token_may_pay(rejections):
+    """c = 0.44, flat blocks: one drafted token pays above an acceptance of about 0.47. After the call's first draft is
+    rejected, the estimate (0.27: shrunk towards a pooled rate that the rejection pulled down too) says k = 0, but at
+    one standard error above it (`HOPE_ERRORS`) one token still pays: auto drafts one (it costs about a tenth of a
+    step and buys evidence; on AMX prose, sampled, two prompts of four sat at plain steps for most of the call after
+    early rejections, at a true 0.64 to 0.73). Control: after 30 rejections the bound says no too: plain steps."""
+    chooser = AutoDraftLength()
+    chooser.start_from(CostTable(1.0, 0.44, {size: 1.0 + 0.01 * (size - 1) for size in range(1, 12)}))
+    for round_index in range(rejections):
+        chooser.update(1, [0], 0.44, 1, None if round_index == 0 else 1.01)
+    estimated = draft_length_rates(chooser.acceptance(), 0.44, [1.0, 1.01])
+    assert estimated[1] < estimated[0]  # the estimate alone says k = 0
+    assert chooser.choose(10) == (1 if rejections == 1 else 0)
 
 
 def clock_vetoed_chooser() -> AutoDraftLength:

@@ -44,6 +44,8 @@ from hf_spec.drafting.speedup import expected_tokens, fully_accepted
 DEFAULT_NUM_DRAFT_TOKENS = 5
 #: Drafted tokens per round at most with ``num_assistant_tokens="auto"``, unless the caller says otherwise.
 DEFAULT_MAX_DRAFT_TOKENS = 10
+#: Where no k pays at the estimated acceptance, k = 1 while it would pay at this many standard errors above it.
+HOPE_ERRORS = 1.0
 
 
 def draft_length_rates(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float],
@@ -143,6 +145,10 @@ class AutoDraftLength(OnlineSizer):
             k = max(range(len(rates)), key=rates.__getitem__)
             if k > 0 and self.clock.overrules(rates[k] / rates[0]):
                 k = 0  # the cost model says draft, the clock says no: trust the clock, explore later
+            elif k == 0 and len(rates) > 1:  # a draft of one token may still pay: it costs little and buys evidence
+                hopeful = self.first.hopeful(HOPE_ERRORS)
+                k = int(draft_length_rates(hopeful, draft_step, blocks[:2], self.costs.catch_up_ratio * draft_step)[1]
+                        > rates[0])
         k = min(k, limit)
         self._chose(k)
         return k

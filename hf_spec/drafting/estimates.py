@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from hf_spec.drafting.costs import CostTable
 
@@ -111,6 +112,13 @@ class PositionalAcceptance:
     def estimate(self) -> list[float]:
         pooled = self.pooled()
         return [(cell.total + pooled * self.prior_weight) / (cell.weight + self.prior_weight) for cell in self.cells]
+
+    def hopeful(self, z: float) -> list[float]:
+        """`estimate` with the first position raised by ``z`` standard errors (its observations plus the prior's
+        weight): what the acceptance may still be, after few draws, where the estimate says no draft pays."""
+        estimate = self.estimate()
+        first, weight = estimate[0], self.cells[0].weight + self.prior_weight
+        return [min(1.0, first + z * math.sqrt(first * (1.0 - first) / weight)), *estimate[1:]]
 
 
 class PassCosts:
