@@ -15,6 +15,10 @@ first 0.07 steps more (a 16-token pass costs about 2 steps on AVX2). P = 0.7 was
 0.2 on AVX2. Auto k then runs twice: told the tokens caught up on (``num_catch_up_tokens``, as ``generate()`` does),
 and not told (the catch-up folded into the step's cost). Without ``--catch-up`` the script is what it was.
 
+With ``--paired`` call i of every method draws from ``random.Random(i)`` (without it, the methods of a case share
+one stream, so a method's choices change the draws of the next: differences of a few points between auto variants
+were that noise), k = 0 (target-only) counts among the fixed settings, and a case where no draft pays is added.
+
 With ``--probe-error F`` the probe that seeds every auto call timed the draft F times too slow (a probe in a slow
 phase of the machine: F = 2.5 was seen on AVX2, 295 ms against 119 ms in the run), as ``generate()``'s cost probe,
 made once per process, seeds every call of that process.
@@ -101,35 +105,46 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     parser.add_argument("--catch-up", type=float, default=0.0, help="draft steps per token caught up on")
     parser.add_argument("--probe-error", type=float, default=1.0, help="the probe's draft step over the true one")
+    parser.add_argument("--paired", action="store_true", help="the same draws for every method; k = 0 among the fixed "
+                        "settings; a case where no draft pays (a = 0.35) added")
     args = parser.parse_args()
     rows = []
     for phases in (False, True):
-        for a, c in CASES:
-            rows.append(case_row(a, c, phases, args.calls, args.catch_up, args.probe_error))
+        for a, c in CASES + ([(0.35, 0.42)] if args.paired else []):
+            rows.append(case_row(a, c, phases, args.calls, args.catch_up, args.probe_error, args.paired))
     if not args.catch_up and args.probe_error == 1.0:
         rows.append(shift_row(args.calls))
     if args.output:
         with open(args.output, "w") as file:
-            json.dump({"calls": args.calls, "catch_up": args.catch_up, "probe_error": args.probe_error, "rows": rows},
-                      file, indent=1)
+            json.dump({"calls": args.calls, "catch_up": args.catch_up, "probe_error": args.probe_error,
+                       "paired": args.paired, "rows": rows}, file, indent=1)
 
 
-def case_row(a: float, c: float, phases: bool, calls: int, catch_up: float, probe_error: float = 1.0) -> dict:
-    """Every fixed k and auto k (told of catch-ups, and not, where there are any) on the same draws' seed."""
-    rng = random.Random(3)
+def case_row(a: float, c: float, phases: bool, calls: int, catch_up: float, probe_error: float = 1.0,
+             paired: bool = False) -> dict:
+    """Every fixed k and auto k (told of catch-ups, and not, where there are any) on the same draws' seed; ``paired``:
+    call i of every method draws from ``random.Random(i)``, and k = 0 (target-only) is among the fixed settings."""
+    shared = random.Random(3)
     common = {"a": a, "c": c, "phases": phases, "catch_up": catch_up}
-    fixed = {k: statistics.mean(call(k, rng=rng, **common) for _ in range(calls)) for k in range(1, 9)}
+    fixed = {k: statistics.mean(call(k, rng=rng, **common) for rng in streams(calls, paired, shared))
+             for k in range(0 if paired else 1, 9)}
     best = max(fixed, key=fixed.get)
     row = {"phases": phases, "acceptance": a, "cost_ratio": c, "catch_up": catch_up, "best_fixed_k": best,
            "fixed": fixed}
     for told in (True, False) if catch_up else (True,):
-        runs = [call(auto_sizer(c, catch_up, told, probe_error), rng=rng, told=told, **common) for _ in range(calls)]
+        runs = [call(auto_sizer(c, catch_up, told, probe_error), rng=rng, told=told, **common)
+                for rng in streams(calls, paired, shared)]
         auto = statistics.mean(runs)
         name = "auto" if told else "auto_not_told"
         row.update({name: auto, f"{name}_over_best_fixed": auto / fixed[best]})
     print(f"phases={phases!s:5} a={a} c={c}: best fixed k = {best}, auto / best fixed = "
           + ", ".join(f"{row[name]:.3f} ({name})" for name in row if name.endswith("_over_best_fixed")))
     return row
+
+
+def streams(calls: int, paired: bool, shared: random.Random) -> list[random.Random]:
+    """One method's random stream per call: seeds 0 .. calls - 1 afresh when paired, else the case's shared one."""
+    return [random.Random(i) for i in range(calls)] if paired else [shared] * calls
 
 
 if __name__ == "__main__":
