@@ -21,13 +21,16 @@ than a step:
 
 k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds without drafting, one round drafts a
 single token so the acceptance estimate can recover, and each exploration that does not bring drafting back doubles
-the wait, so a draft that does not fit (or blocks too expensive to pay for any draft) costs ever less. The clock has
+the wait, so a draft that does not fit (or blocks too expensive to pay for any draft) costs ever less. Before that,
+where the estimate says no k pays but one token would pay at `HOPE_ERRORS` standard errors above the first
+position's estimate, k = 1: one early rejection must not switch drafting off while the evidence is thin. The clock has
 the last word: once rounds that drafted have measurably emitted fewer tokens per second than plain target steps, k is
 0 until explorations raise the cost model's case for drafting well above the case the clock refuted; then drafting is
 measured again. What is learnt, and how, is `hf_spec.drafting.online`. `start_from` seeds the
 costs with measured ones (`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process
 for ``"auto"``): the first rounds are then chosen from them, and where even a draft accepted every time could not beat a
-plain step (`CostTable.best_possible_speedup` below 1), it decodes with k = 0 throughout and says so in a warning.
+plain step (`CostTable.best_possible_speedup` below 1), it says so in a warning and decodes with k = 0 once the
+call's first draft timings have confirmed the probe (`hf_spec.drafting.estimates`).
 With a model-free drafter (prompt lookup) draft steps cost nothing and only the block cost limits k.
 
 No state outlives a ``generate()`` call unless you pass your own instance, ``num_assistant_tokens=AutoDraftLength()``,
