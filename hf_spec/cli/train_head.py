@@ -111,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise ValueError(f"--architecture eagle3: {error} (--feature-layers)") from None
     kept_ids = None
-    if args.draft_vocab is not None:
-        kept_ids = draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus, target=target,
-                                    counted_on=args.draft_vocab_counts)
+    with PartialState().main_process_first():  # under `accelerate launch`: one process writes the caches, the rest read
+        if args.draft_vocab is not None:
+            kept_ids = draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus, target=target,
+                                        counted_on=args.draft_vocab_counts)
+        sequences = training_sequences(args, target, tokenizer, Path(args.output_dir))
     run_ = train_and_evaluate_head(
-        target, training_sequences(args, target, tokenizer, Path(args.output_dir)), args.output_dir,
+        target, sequences, args.output_dir,
         architecture=args.architecture, feature_layers=args.feature_layers, num_layers=args.num_layers,
         kept_ids=kept_ids, ttt_steps=args.ttt_steps, eval_fraction=args.eval_fraction, progress=not args.no_progress,
         patience=args.patience, max_steps=args.max_steps, eval_steps=args.eval_steps, **recipe_flags(args),
