@@ -121,3 +121,19 @@ def test_built_in_pair_greedy_matches_target_only():
 
     speculative(target)
     assert torch.equal(target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=60), expected)
+
+
+def test_the_writable_check_holds_when_processes_check_one_folder_at_once(tmp_path):
+    """Under ``accelerate launch`` every rank checks ``--output`` before any work: one rank's probe file must never be
+    another's (a shared probe name failed a two-process run with 'cannot write there (No such file or directory)')."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hf_spec.cli.common import check_writable
+
+    def check_many(_):
+        for _ in range(300):
+            check_writable(str(tmp_path / "report.json"), "--output")
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(check_many, range(4)))  # re-raises the first ValueError of any thread
+    assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"

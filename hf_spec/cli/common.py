@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -171,10 +172,9 @@ def check_writable(path: str | None, flag: str) -> None:
     folder = Path(path).expanduser().resolve().parent
     if not folder.is_dir():
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist.")
-    probe = folder / f".hf_spec_write_check_{Path(path).name}"
-    try:
-        probe.touch()
-        probe.unlink()
+    try:  # a probe file of its own: several processes (``accelerate launch``) may check one folder at once
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf_spec_write_check_"):
+            pass
     except OSError as error:
         raise ValueError(f"{flag} {path}: cannot write there ({error.strerror}).") from None
 
