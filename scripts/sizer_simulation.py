@@ -26,6 +26,16 @@ made once per process, seeds every call of that process.
 With ``--bursty`` the cases are text in easy and hard stretches (`Bursty`, paired): acceptance rises with the block
 position, as on code, where i.i.d. draws at the measured acceptance under-predict the tokens of a long block.
 
+With ``--replay FILE`` (an `hf-spec eval-draft --output` report) the texts are real: each call decodes one of the
+report's continuations (the target's own text, teacher-forced), and a token drafted at text position t is accepted
+with that position's measured probability (1 - TV(p, q) sampled, 0 or 1 greedy; `Replay`), so acceptance has the
+text's own structure: easy lines, hard names, the end of a completion. ``--c`` and ``--block-slope`` set the costs
+(a target pass over m tokens costs ``1 + slope (m - 1)`` steps); every fixed k of 0 .. 10 and auto k run on the same
+draws (paired), and auto's per-text ratio to the best fixed k is reported beside the mean.
+
+``--reach-errors Z`` sets `hf_spec.drafting.draft_length.REACH_ERRORS` (0: auto never reaches one position past
+its best k, as before that rule), to compare the rule on and off on the same draws.
+
 A last case is one long call whose text turns from prose to code: 1,024 tokens, a = 0.2 for the first 256 and 0.9
 after, c = 0.3 (without phases; call i draws from seed i for every method, so calls are paired). It also reports the
 share of calls whose last 100 rounds drafted in fewer than half (auto stuck at plain steps on code).
@@ -39,6 +49,7 @@ import json
 import random
 import statistics
 
+from hf_spec.drafting import draft_length
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import AutoDraftLength
 
@@ -77,8 +88,30 @@ class Bursty:
         return accepted
 
 
+class Replay:
+    """A real text's acceptance, position by position (`hf_spec.evaluation.draft_fit.AcceptanceReport`'s
+    ``acceptance_along_text``): a token drafted at text position t is accepted with probability ``along[t]``, nothing
+    past the text's end. The text moves on by the tokens emitted; a call starts at its beginning."""
+
+    def __init__(self, along: list[float]):
+        self.along, self.position = along, 0
+
+    def mean(self) -> float:
+        return statistics.mean(self.along)
+
+    def draw(self, k: int, rng: random.Random) -> int:
+        t = self.position
+        accepted = next((i for i in range(k) if t + i >= len(self.along) or rng.random() >= self.along[t + i]), k)
+        self.position += accepted + 1
+        return accepted
+
+
+#: A target pass over m tokens costs ``1 + BLOCK_SLOPE (m - 1)`` steps (``--block-slope`` changes it).
+BLOCK_SLOPE = 0.03
+
+
 def block(size: int) -> float:
-    return 1.0 + 0.03 * (size - 1)
+    return 1.0 + BLOCK_SLOPE * (size - 1)
 
 
 def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: random.Random, tokens: int = 128,
@@ -92,7 +125,7 @@ def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: ra
     while emitted < tokens:
         k = sizer if isinstance(sizer, int) else sizer.choose(limit=int(tokens - emitted))
         a_now = start[0] if emitted < start[1] else a
-        if isinstance(a_now, Bursty):
+        if isinstance(a_now, (Bursty, Replay)):
             accepted = a_now.draw(k, rng)
         else:
             accepted = next((i for i in range(k) if rng.random() >= a_now), k)
@@ -138,7 +171,36 @@ def shift_row(calls: int) -> dict:
             "auto_over_best_fixed": statistics.mean(autos) / fixed[best], "calls_stuck_at_plain_steps": stuck}
 
 
+def replay_rows(path: str, c: float, calls: int) -> list[dict]:
+    """Every fixed k (0 .. 10) and auto k on each text of an `hf-spec eval-draft` report, ``calls`` paired draws per
+    text (seed i for call i of every method): the mean over texts, and auto over the best fixed k per text."""
+    with open(path) as file:
+        report = json.load(file)
+    report = report.get("predicted", report)  # the CLI's report holds `AcceptanceReport` under "predicted"
+    texts = [Replay(along) for along in report["acceptance_along_text"] if along]
+    common = {"c": c, "phases": False, "catch_up": 0.0}
+    per_text = []
+    for text in texts:
+        runs = {k: [call(k, a=text, rng=random.Random(i), tokens=len(text.along), **common) for i in range(calls)]
+                for k in range(11)}
+        runs["auto"] = [call(auto_sizer(c), a=text, rng=random.Random(i), tokens=len(text.along), **common)
+                        for i in range(calls)]
+        per_text.append({name: statistics.mean(rates) for name, rates in runs.items()})
+    mean = {name: statistics.mean(row[name] for row in per_text) for name in per_text[0]}
+    best = max(range(11), key=mean.get)
+    ratios = [row["auto"] / max(row[k] for k in range(11)) for row in per_text]
+    acceptance = statistics.mean(text.mean() for text in texts)
+    print(f"{path} c={c} slope={BLOCK_SLOPE}: {len(texts)} texts, acceptance {acceptance:.3f}"
+          f"; best fixed k = {best} ({mean[best]:.3f}), auto {mean['auto']:.3f} = {mean['auto'] / mean[best]:.3f} of "
+          f"it; auto / each text's best fixed k: median {statistics.median(ratios):.3f} [{min(ratios):.3f}, "
+          f"{max(ratios):.3f}]")
+    return [{"replay": path, "settings": report.get("settings"), "cost_ratio": c, "block_slope": BLOCK_SLOPE,
+             "texts": len(texts), "best_fixed_k": best, "mean": mean, "auto_over_best_fixed": mean["auto"] / mean[best],
+             "auto_over_each_texts_best": ratios, "per_text": per_text}]
+
+
 def main() -> None:
+    global BLOCK_SLOPE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--output", default=None)
@@ -148,7 +210,22 @@ def main() -> None:
                         "settings; a case where no draft pays (a = 0.35) added")
     parser.add_argument("--bursty", action="store_true", help="only the cases whose text comes in easy and hard "
                         "stretches (`Bursty`: code-like), paired")
+    parser.add_argument("--replay", nargs="+", default=None, metavar="FILE",
+                        help="`hf-spec eval-draft --output` reports: replay their texts' measured acceptance")
+    parser.add_argument("--c", type=float, nargs="+", default=[0.42], help="draft step / target step (--replay)")
+    parser.add_argument("--block-slope", type=float, default=BLOCK_SLOPE, help="target pass cost per extra token")
+    parser.add_argument("--reach-errors", type=float, default=None,
+                        help="`REACH_ERRORS` for auto k (0: never reach past the best k; for before/after runs)")
     args = parser.parse_args()
+    BLOCK_SLOPE = args.block_slope
+    if args.reach_errors is not None:
+        draft_length.REACH_ERRORS = args.reach_errors
+    if args.replay:
+        rows = [row for path in args.replay for c in args.c for row in replay_rows(path, c, args.calls)]
+        if args.output:
+            with open(args.output, "w") as file:
+                json.dump({"calls": args.calls, "rows": rows}, file, indent=1)
+        return
     rows = []
     cases = CASES + ([(0.35, 0.42)] if args.paired else [])
     if args.bursty:

@@ -23,7 +23,11 @@ k = 0 (no draft: a plain target step) is allowed; after ``explore_every`` rounds
 single token so the acceptance estimate can recover, and each exploration that does not bring drafting back doubles
 the wait, so a draft that does not fit (or blocks too expensive to pay for any draft) costs ever less. Before that,
 where the estimate says no k pays but one token would pay at `HOPE_ERRORS` standard errors above the first
-position's estimate, k = 1: one early rejection must not switch drafting off while the evidence is thin. The clock has
+position's estimate, k = 1: one early rejection must not switch drafting off while the evidence is thin. Likewise
+one position further: where k + 1 would pay at `REACH_ERRORS` standard errors above position k's estimate, k + 1 is
+drafted. Rounds that stop at k never observe position k, whose estimate then leans on the pooled rate, which the
+first positions dominate; on code acceptance rises with the position, so without this a call that fell to k = 1 or 2
+after a hard stretch stayed there (AMX, code, sampled: two calls of six). The clock has
 the last word: once rounds that drafted have measurably emitted fewer tokens per second than plain target steps, k is
 0 until explorations raise the cost model's case for drafting well above the case the clock refuted; then drafting is
 measured again. What is learnt, and how, is `hf_spec.drafting.online`. `start_from` seeds the
@@ -49,6 +53,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 5
 DEFAULT_MAX_DRAFT_TOKENS = 10
 #: Where no k pays at the estimated acceptance, k = 1 while it would pay at this many standard errors above it.
 HOPE_ERRORS = 1.0
+#: Draft k + 1 where it would pay at this many standard errors above the estimate at position k (the first not drafted).
+REACH_ERRORS = 0.5
 
 
 def draft_length_rates(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float],
@@ -152,6 +158,10 @@ class AutoDraftLength(OnlineSizer):
                 hopeful = self.first.hopeful(HOPE_ERRORS)
                 k = int(draft_length_rates(hopeful, draft_step, blocks[:2], self.costs.catch_up_ratio * draft_step)[1]
                         > rates[0])
+            elif 0 < k < len(rates) - 1:  # one position further, while the evidence there is thin
+                hopeful = self.first.hopeful(REACH_ERRORS, position=k)
+                k += int(draft_length_rates(hopeful, draft_step, blocks[:k + 2],
+                                            self.costs.catch_up_ratio * draft_step)[k + 1] > rates[k])
         k = min(k, limit)
         self._chose(k)
         return k

@@ -113,12 +113,14 @@ class PositionalAcceptance:
         pooled = self.pooled()
         return [(cell.total + pooled * self.prior_weight) / (cell.weight + self.prior_weight) for cell in self.cells]
 
-    def hopeful(self, z: float) -> list[float]:
-        """`estimate` with the first position raised by ``z`` standard errors (its observations plus the prior's
-        weight): what the acceptance may still be, after few draws, where the estimate says no draft pays."""
+    def hopeful(self, z: float, position: int = 0) -> list[float]:
+        """`estimate` with one ``position`` raised by ``z`` standard errors (its observations plus the prior's
+        weight): what the acceptance there may still be while its evidence is thin (after few draws, or where rounds
+        have stopped short of it)."""
         estimate = self.estimate()
-        first, weight = estimate[0], self.cells[0].weight + self.prior_weight
-        return [min(1.0, first + z * math.sqrt(first * (1.0 - first) / weight)), *estimate[1:]]
+        value, weight = estimate[position], self.cells[position].weight + self.prior_weight
+        estimate[position] = min(1.0, value + z * math.sqrt(value * (1.0 - value) / weight))
+        return estimate
 
 
 class PassCosts:
