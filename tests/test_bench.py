@@ -191,6 +191,36 @@ def test_bench_compares_draft_lengths_schedules_and_prompt_lookup(tmp_path):
     assert results["hf_spec_lookup"]["weights_bytes"] == report["weights_bytes"]["target"], "no draft model used"
 
 
+def test_min_new_tokens_makes_every_call_of_every_method_decode_one_length():
+    """Sampled completions end where they end, so methods decode texts of different lengths; ``min_new_tokens`` in
+    the settings (``hf-spec bench --min-new-tokens``) makes every call of every method decode the same number.
+    Control: with half the vocabulary ending the text, calls without it stop early."""
+    target, draft = build_tiny_pair(seed=0)
+    target.generation_config.eos_token_id = list(range(1, TINY_VOCAB_SIZE // 2))
+    workloads = random_workloads(("code",), 2, TINY_VOCAB_SIZE)
+    settings = {"sampled": {"do_sample": True}, "sampled_to_10": {"do_sample": True, "min_new_tokens": 10}}
+    report = run_benchmark(target, draft, workloads, settings=settings, max_new_tokens=10, progress=False,
+                           methods=("target_only", "transformers", "hf_spec_k2", "hf_spec_auto"))
+    lengths = {name: [run["new_tokens"] for run in report["runs"] if run["setting"] == name] for name in settings}
+    assert len(lengths["sampled_to_10"]) == 8 and set(lengths["sampled_to_10"]) == {10}, lengths
+    assert min(lengths["sampled"]) < 10, lengths
+
+
+def test_bench_min_new_tokens_reaches_every_setting_and_is_checked(tmp_path, capsys):
+    """``--min-new-tokens`` is recorded in every setting of the report; above ``--max-new-tokens`` it is refused,
+    naming both."""
+    argv = ["bench", *TINY, "--prompts", "2", "--max-new-tokens", "10", "--min-new-tokens", "10", "--threads", "1",
+            "--no-progress", "--workloads", "code", "--settings", "greedy", "sampled", "--methods", "transformers",
+            "hf_spec_k2", "hf_spec_auto", "--kernel-baselines", "--output", str(tmp_path / "b.json"),
+            "--plot", str(tmp_path / "b.png")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert all(setting["min_new_tokens"] == 10 for setting in report["config"]["settings"].values())
+    assert {run["method"] for run in report["runs"]} == {"target_only", "transformers", "hf_spec_k2", "hf_spec_auto"}
+    assert main(["bench", *TINY, "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
+    assert "--min-new-tokens 9: more than --max-new-tokens 8" in capsys.readouterr().err
+
+
 def test_bench_cli_names_an_unknown_method(capsys):
     assert main(["bench", *TINY, "--methods", "vllm"]) == 2
     assert "Unknown method 'vllm'" in capsys.readouterr().err

@@ -77,6 +77,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--prompts", type=positive_int, default=4, help="prompts per workload")
     parser.add_argument("--max-new-tokens", "--max-tokens", type=positive_int, default=128,
                         help="tokens to generate per prompt")
+    parser.add_argument("--min-new-tokens", type=positive_int, default=None,
+                        help="no end of text before this many new tokens, in every method's calls: with the same "
+                             "value as --max-new-tokens, sampled calls of every method decode texts of one length "
+                             "(a short completion, which pays its prefill over few tokens, then weighs on no method "
+                             "alone)")
     parser.add_argument("--offset", type=int, default=0,
                         help="skip this many prompts of each workload (hold out what a draft was trained on)")
     parser.add_argument("--repeats", type=positive_int, default=1, help="calls per prompt and method")
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize and args.quantize in args.variants:
         raise ValueError(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
+    if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens {args.min_new_tokens}: more than --max-new-tokens {args.max_new_tokens}.")
     require("matplotlib", "cli", "hf-spec bench's plot")
     pair = load_models(args)
     workloads = tuple(dict.fromkeys(args.workloads))
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                            for method in methods if runs_on(method_spec(method, 1), variant)),
                *(f"target_only@{label}" for label in variants if label in KERNEL_LABELS))
     report = run_benchmark(
-        pair.target, pair.draft, inputs, settings={name: SETTINGS[name] for name in dict.fromkeys(args.settings)},
+        pair.target, pair.draft, inputs, settings=bench_settings(args.settings, args.min_new_tokens),
         methods=methods, variants=variants, num_draft_tokens=args.num_assistant_tokens,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
         tokenizer=pair.tokenizer, profile=args.profile, draft_tokenizer=pair.draft_tokenizer,
@@ -126,3 +133,10 @@ def run(args: argparse.Namespace) -> int:
     log(f"wrote {args.plot}")
     emit(args, report, format_table(report))
     return 0
+
+
+def bench_settings(names: list[str], min_new_tokens: int | None) -> dict[str, dict]:
+    """The ``--settings`` by name (`SETTINGS`), each with ``min_new_tokens`` where given."""
+    extra = {} if min_new_tokens is None else {"min_new_tokens": min_new_tokens}
+    return {name: {**SETTINGS[name], **extra} for name in dict.fromkeys(names)}
+
