@@ -131,3 +131,27 @@ def test_cli_eval_draft_and_distill_on_the_tiny_pair(tmp_path):
                  "--output", str(tmp_path / "d.json")]) == 0
     assert (tmp_path / "d" / "config.json").exists()
     assert json.loads((tmp_path / "d.json").read_text())["train_sequences"] == 4
+
+
+def test_distill_runs_as_one_job_under_accelerate_launch_with_two_processes(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` on a CPU machine: one process builds the continuations
+    cache while the other waits, one Trainer runs over both (gloo: 4 steps of one sequence per process cover the 8
+    sequences once), one process writes the draft and the report. Before, the state said one process until the
+    Trainer started, and the Trainer (without ``use_cpu``) ran two separate jobs: both wrote the cache, the draft
+    and the report, and each step saw one sequence (half an epoch in 4 steps)."""
+    import subprocess
+    import sys
+
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_spec",
+               "distill", "--target", "tiny", "--draft", "tiny", "--threads", "1", "--num-texts", "8",
+               "--max-new-tokens", "8", "--output-dir", str(tmp_path / "d"), "--max-steps", "4",
+               "--output", str(report)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["num_processes"] == 2 and result["train_sequences"] == 8
+    assert result["log_history"][-1]["step"] == 4 and result["log_history"][-1]["epoch"] == 1.0
+    assert finished.stdout.count("saved the distilled draft") == 1 and (tmp_path / "d" / "config.json").exists()
+    assert finished.stderr.count("target continuations: 100%") == 1, "the second process read the cache"

@@ -190,6 +190,16 @@ def prepare_folder(path: str, flag: str) -> Path:
     return folder
 
 
+def training_processes():
+    """The processes of a training command (``accelerate.PartialState``), set up as `transformers.Trainer` will be:
+    on a machine without CUDA, ``cpu=True``. Without it, under ``accelerate launch --num_processes 2`` on a CPU the
+    state says one process (``DistributedType.NO``) until the Trainer starts, so ``main_process_first()`` before it
+    let both processes write the same cache at once."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None, optimize: bool = True) -> Pair:
     """The pair the options name (`hf_spec.loading.load_pair`), on its fastest CPU paths unless ``--no-optimize``
     (or ``optimize=False``: a draft that trains keeps plain layers); what was loaded is logged."""

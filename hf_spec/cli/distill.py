@@ -21,6 +21,7 @@ from hf_spec.cli.common import (
     target_arguments,
     text_arguments,
     texts,
+    training_processes,
 )
 from hf_spec.extras import require_extra
 from hf_spec.loading.pretrained import DEFAULT_DRAFT
@@ -48,9 +49,10 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("train", "hf-spec distill")
+    processes = training_processes()
     from hf_spec.evaluation.distill import continuation_dataset, distill, text_dataset
 
-    require_extra("train", "hf-spec distill")
     check_writable(args.output, "--output")
     prepare_folder(args.output_dir, "--output-dir")
     # the draft trains in float32 (bf16 weights would round small updates away); --dtype sets the teacher's
@@ -58,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     args.draft_vocab_corpus, args.draft_vocab_counts = "stdlib", "continuations"  # unused without --draft-vocab
     pair = load_models(args, draft_dtype=torch.float32, optimize=False)
     pair.check_same_tokenizer("distillation")
-    if args.plain_text:
-        dataset = text_dataset(pair.tokenizer, texts(args), args.max_length)
-    else:
-        dataset = continuation_dataset(pair.target, prompts(args, pair.tokenizer), args.max_new_tokens,
-                                       sampling(args), cache_dir=Path(args.output_dir) / "data", seed=args.seed)
+    with processes.main_process_first():  # under `accelerate launch`: one process writes the cache, the rest read
+        if args.plain_text:
+            dataset = text_dataset(pair.tokenizer, texts(args), args.max_length)
+        else:
+            dataset = continuation_dataset(pair.target, prompts(args, pair.tokenizer), args.max_new_tokens,
+                                           sampling(args), cache_dir=Path(args.output_dir) / "data", seed=args.seed)
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
     _, history = distill(
         pair.target, pair.draft, dataset, args.output_dir, loss=args.loss, temperature=args.temperature or 1.0,
@@ -70,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, learning_rate=args.learning_rate, per_device_train_batch_size=args.batch_size,
         seed=args.seed,
     )
+    if not processes.is_main_process:
+        return 0
     pair.tokenizer.save_pretrained(args.output_dir)
-    report = {"output_dir": args.output_dir, "train_sequences": len(dataset), "log_history": history}
+    report = {"output_dir": args.output_dir, "num_processes": processes.num_processes,
+              "train_sequences": len(dataset), "log_history": history}
     emit(args, report, f"saved the distilled draft in {args.output_dir} ({len(dataset)} training sequences)")
     return 0

@@ -26,6 +26,7 @@ from hf_spec.cli.common import (
     target_arguments,
     text_arguments,
     texts,
+    training_processes,
 )
 from hf_spec.extras import require_extra
 from hf_spec.loading.vocabulary import COUNTED_ON
@@ -80,8 +81,7 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_extra("train", "hf-spec train-head")
-    from accelerate import PartialState
-
+    processes = training_processes()
     from hf_spec.evaluation.head_pipeline import train_and_evaluate_head
     from hf_spec.heads.base import check_feature_layers
     from hf_spec.loading.pair import load_model
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise ValueError(f"--architecture eagle3: {error} (--feature-layers)") from None
     kept_ids = None
-    with PartialState().main_process_first():  # under `accelerate launch`: one process writes the caches, the rest read
+    with processes.main_process_first():  # under `accelerate launch`: one process writes the caches, the rest read
         if args.draft_vocab is not None:
             kept_ids = draft_vocabulary(target, tokenizer, args.draft_vocab, args.draft_vocab_corpus, target=target,
                                         counted_on=args.draft_vocab_counts)
@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size, seed=args.seed,
         disable_tqdm=args.no_progress,
     )
-    if not PartialState().is_main_process:
+    if not processes.is_main_process:
         return 0
     tokenizer.save_pretrained(args.output_dir)
-    report = {"output_dir": str(args.output_dir), "num_processes": PartialState().num_processes, **run_.to_dict()}
+    report = {"output_dir": str(args.output_dir), "num_processes": processes.num_processes, **run_.to_dict()}
     emit(args, report, f"held-out agreement at block position 0: {run_.before['agreement']:.3f} untrained -> "
                        f"{run_.after['agreement']:.3f}; head saved in {args.output_dir}")
     return 0

@@ -200,7 +200,8 @@ def distill(
     model = with_lora(draft, lora_rank) if lora_rank is not None else draft
     defaults = {"per_device_train_batch_size": 1, "learning_rate": 1e-5, "max_steps": 100, "logging_steps": 10,
                 "report_to": "none", "save_strategy": "no", "remove_unused_columns": False,
-                "disable_tqdm": False, "dataloader_pin_memory": torch.cuda.is_available()}
+                "disable_tqdm": False, "dataloader_pin_memory": torch.cuda.is_available(),
+                "use_cpu": not torch.cuda.is_available()}  # so `accelerate launch` on a CPU runs one job on gloo
     args = TrainingArguments(output_dir=str(output_dir), **{**defaults, **training_arguments})
     trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_dataset, teacher=target, temperature=temperature, loss=loss,
@@ -209,5 +210,6 @@ def distill(
     trainer.train()
     trained = model.merge_and_unload() if lora_rank is not None else model
     trained.eval()
-    trained.save_pretrained(str(output_dir))
+    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes the draft
+        trained.save_pretrained(str(output_dir))
     return trained, trainer.state.log_history
