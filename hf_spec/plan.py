@@ -148,8 +148,8 @@ def cross_tokenizer_drafter(assistant_model: Any, tokenizers: tuple[Any, Any], t
 
 
 def chain_draft_widths(drafter: Drafter | None) -> tuple[int, ...]:
-    """The draft passes the probe times for auto k: the step, and the 2-token catch-up where ``drafter`` reports it
-    (`hf_spec.bench` probes with the same, so that its timed calls find the probe made)."""
+    """The draft passes the probe times for auto k and auto trees: the step, and the 2-token catch-up where ``drafter``
+    reports it (`hf_spec.bench` probes chains with the same, so that its timed calls find the probe made)."""
     return (1, 2) if drafter is not None and drafter.reports_catch_up else (1,)
 
 
@@ -160,11 +160,13 @@ def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) ->
     if not isinstance(sizer, OnlineSizer) or sizer.has_costs:
         return
     if isinstance(rounds, TreeRounds):
-        largest, widths = sizer.max_nodes + 1, (1, rounds.drafter.growth[1] or 1)
+        largest = sizer.max_nodes + 1
+        widths = tuple(sorted({*chain_draft_widths(rounds.drafter), rounds.drafter.growth[1] or 1}))
     else:
         largest, widths = sizer.max_draft_tokens + 1, chain_draft_widths(rounds.drafter)
     sizes = probe_sizes(min(largest, max_new_tokens + 1))
-    sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths))
+    reports_catch_up = rounds.drafter is not None and rounds.drafter.reports_catch_up
+    sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths), catch_up=reports_catch_up)
 
 
 def resolve_num_draft_tokens(value: Any, prompt_lookup_num_tokens: int | None = None, schedule: str | None = None

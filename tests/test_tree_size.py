@@ -4,23 +4,29 @@ chain or nothing where they are not), and generate() with it."""
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 import torch
 from helpers import make_noisy_copy, make_tiny_model
 
+import hf_spec.drafting.tree_size
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
+from hf_spec.drafting.draft_length import best_draft_length
 from hf_spec.drafting.estimates import SHIFT_EVIDENCE
+from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.speedup import expected_tokens
 from hf_spec.drafting.tree import DraftTree
-from hf_spec.drafting.tree_size import AutoTreeSize, grow_values, rank_outcomes
+from hf_spec.drafting.tree_size import AutoTreeSize, catch_up_chances, grow_values, rank_outcomes
 from hf_spec.heads import DraftHead
+from hf_spec.plan import start_sizer
+from hf_spec.rounds import TreeRounds
 
 
 def test_a_chain_grows_the_speedup_formula():
     acceptance = [0.9, 0.7, 0.5, 0.3]
-    values, depths = grow_values([[a] for a in acceptance], 4, branching=1, width=1)
+    values, depths, _ = grow_values([[a] for a in acceptance], 4, branching=1, width=1)
     for k in range(5):
         assert 1 + sum(values[:k]) == pytest.approx(expected_tokens(acceptance, k))
     assert depths == [1, 2, 3, 4]
@@ -30,13 +36,13 @@ def test_tree_growth_by_hand():
     table = [[0.5, 0.4], [0.5, 0.4]]
     # level by level, the best node of each level expanded: f(first) = 0.5, f(second) = 0.5 * 0.4, then children of
     # the first: 0.5 * 0.5 and 0.5 * 0.5 * 0.4
-    values, depths = grow_values(table, 10, branching=2, width=1)
+    values, depths, _ = grow_values(table, 10, branching=2, width=1)
     assert values == pytest.approx([0.5, 0.2, 0.25, 0.1]) and depths == [1, 1, 2, 2]
     # best-first over the whole tree: the most valuable node whose parent is in, whatever its depth
-    values, depths = grow_values(table, 4, branching=2, width=None)
+    values, depths, _ = grow_values(table, 4, branching=2, width=None)
     assert values == pytest.approx([0.5, 0.25, 0.2, 0.1]) and depths == [1, 2, 1, 2]
     assert grow_values(table, 3, branching=2, width=1)[0] == pytest.approx([0.5, 0.2, 0.25])  # budget cut mid-level
-    assert grow_values([], 5, branching=2, width=1) == ([], [])
+    assert grow_values([], 5, branching=2, width=1) == ([], [], [])
 
 
 def test_rank_outcomes_are_the_children_the_rule_tried():
@@ -82,7 +88,7 @@ def _sample_path(tree: DraftTree, a: float, g: float, rng: random.Random) -> lis
 
 def _rate(a, g, c, block, num_nodes, branching, width):
     """True expected tokens per second of a budget and branching."""
-    values, depths = grow_values([[a] + [g] * (branching - 1)] * 10, num_nodes, branching, width)
+    values, depths, _ = grow_values([[a] + [g] * (branching - 1)] * 10, num_nodes, branching, width)
     n = len(values)
     return (1 + sum(values)) / ((depths[-1] if n else 0) * c + block(n + 1))
 
@@ -135,10 +141,104 @@ def test_expensive_blocks_stay_within_three_percent_of_target_only():
     choices = simulate(chooser, **pair, rounds=300, seed=4)
     tokens = seconds = 0.0
     for n, b in choices:
-        values, depths = grow_values([[pair["a"]] + [pair["g"]] * (b - 1)] * 10, n, b, 1 if b == 1 else 2)
+        values, depths, _ = grow_values([[pair["a"]] + [pair["g"]] * (b - 1)] * 10, n, b, 1 if b == 1 else 2)
         tokens += 1 + sum(values)
         seconds += max(depths, default=0) * pair["c"] + pair["block"](n + 1)
     assert tokens / seconds >= 0.97 and sum(n > 0 for n, _ in choices) <= 6, choices
+
+
+def test_catch_up_chances_are_the_chance_that_the_path_ends_where_the_draft_never_fed():
+    """By hand, then against sampled paths: the accepted path ends at a childless node (which a draft model never
+    evaluated) with chance f(v) summed over those nodes."""
+    assert catch_up_chances([0.9, 0.45], [-1, 0]) == pytest.approx([0.9, 0.45])  # a chain: the last node
+    values, _, parents = grow_values([[0.5, 0.4], [0.5, 0.4]], 10, branching=2, width=1)
+    assert catch_up_chances(values, parents) == pytest.approx([0.5, 0.7, 0.45, 0.55])
+    a, g, rng = 0.7, 0.4, random.Random(0)
+    tree = _synthetic_tree(a, g, 9, branching=3, width=2)
+    values, _, parents = grow_values([[a, g, g]] * 10, 9, branching=3, width=2)
+    assert parents == tree.parents
+    paths = [_sample_path(tree, a, g, rng) for _ in range(20_000)]
+    childless = sum(bool(path) and path[-1] not in tree.parents for path in paths) / len(paths)
+    assert childless == pytest.approx(catch_up_chances(values, parents)[-1], abs=0.01)
+
+
+def seeded_sizer(c: float = 0.43, slope: float = 0.02, passes: dict | None = None) -> AutoTreeSize:
+    """A sizer whose costs come from a probe, as in ``generate()``: draft step c, blocks 1 + slope (m - 1) steps."""
+    sizer = AutoTreeSize()
+    sizer.start_from(CostTable(1.0, c, {size: 1.0 + slope * (size - 1) for size in range(1, 34)}, passes or {}))
+    return sizer
+
+
+def play_chains(sizer: AutoTreeSize, accepted_if_drafted, rounds: int, c: float = 0.43, slope: float = 0.02,
+                catch_up: float = 0.0, told: bool = True) -> list[int]:
+    """A drafter of chains (growth (1, 1)): ``accepted_if_drafted(round, n)`` of the n drafted are accepted; each
+    round is timed at its modelled cost, ``catch_up`` more where the draft's first pass fed two tokens or more (after
+    a round accepted in full, or plain steps), which the sizer hears of when ``told``."""
+    lag = 0
+    for round_index in range(rounds):
+        n = sizer.choose_tree(100, (1, 1)).num_nodes
+        accepted = accepted_if_drafted(round_index, n) if n > 0 else 0
+        extra = lag if n > 0 else 0
+        tree = DraftTree(torch.zeros(n, dtype=torch.long), list(range(-1, n - 1)), None,
+                         torch.zeros(2, dtype=torch.bool), n, num_catch_up_tokens=extra if told else 0)
+        sizer.update_tree(tree, list(range(accepted)), draft_seconds=c * n + catch_up * min(extra, 1),
+                          verify_seconds=None if round_index == 0 else 1.0 + slope * n)
+        lag = lag + 1 if n == 0 else int(accepted == n)
+    return list(sizer.chosen)
+
+
+def after_a_hard_stretch(round_index: int, n: int) -> int:
+    """30 rounds of hard text (the first token right 3 times in 5, the second never), then code-like text: the first
+    token right 7 times in 10, every later one always."""
+    if round_index < 30:
+        return 0 if round_index % 5 in (0, 2) else min(n, 1)
+    return 0 if round_index % 10 in (0, 3, 6) else n
+
+
+def test_a_tree_call_that_fell_to_one_token_reaches_deeper_once_deeper_levels_would_pay(monkeypatch):
+    """As auto k (`REACH_ERRORS`): a depth its trees stop short of is never observed, and its estimate leans on the
+    pooled rate that the first depth dominates; where one level deeper would pay at half a standard error above the
+    estimate there, the sizer drafts it, sees the deeper levels accepted and climbs to the deepest tree. Control:
+    without it, it stays at one token for the 90 rounds of code-like text."""
+    chosen = play_chains(seeded_sizer(), after_a_hard_stretch, rounds=120)
+    assert chosen[25:30] == [1] * 5 and max(chosen[-10:]) >= 8, chosen
+    monkeypatch.setattr(hf_spec.drafting.tree_size, "REACH_ERRORS", 0.0)
+    stuck = play_chains(seeded_sizer(), after_a_hard_stretch, rounds=120)
+    assert max(stuck[30:]) == 1, stuck
+
+
+@pytest.mark.parametrize("rejections", [1, 30])
+def test_one_early_rejection_does_not_switch_tree_drafting_off(rejections):
+    """As auto k (`HOPE_ERRORS`), for a drafter of chains: c = 0.44, flat blocks; after the call's first draft is
+    rejected the estimate says no chain pays, but one token would at one standard error above it: the sizer drafts
+    one. Control: after 30 rejections, plain steps."""
+    sizer = seeded_sizer(c=0.44, slope=0.01)
+    for round_index in range(rejections):
+        tree = DraftTree(torch.zeros(1, dtype=torch.long), [-1], None, torch.zeros(2, dtype=torch.bool), 1)
+        sizer.update_tree(tree, [], 0.44, None if round_index == 0 else 1.01)
+    best, _ = sizer._best_tree(sizer.first.estimate(), 10, (1, 1))
+    assert best.num_nodes == 0  # the estimate alone says plain steps
+    assert sizer.choose_tree(10, (1, 1)).num_nodes == (1 if rejections == 1 else 0)
+
+
+def test_the_tree_sizer_learns_the_catch_up_apart_from_the_step_and_prices_it():
+    """Told of catch-ups (as `ModelTreeDrafter` tells it), the sizer learns the step and the 2-token pass's premium
+    apart, and its chains settle on the best length of the model with the catch-up (the length auto k would pick).
+    Negative control: folded into the step (how it was), the step looks dearer and the chains settle shorter."""
+    a, c, p, slope = 0.9, 0.33, 0.23, 0.03
+    told, folded = seeded_sizer(c, slope, {1: c, 2: c + p}), seeded_sizer(c, slope)
+    rng = random.Random(6)
+
+    def accepted(round_index, n):
+        return next((i for i in range(n) if rng.random() >= a), n)
+
+    told_ns = play_chains(told, accepted, 600, c, slope, catch_up=p)
+    folded_ns = play_chains(folded, accepted, 600, c, slope, catch_up=p, told=False)
+    assert told.costs.draft_step.get(0.0) == pytest.approx(c) and told.costs.catch_up_ratio == pytest.approx(p / c)
+    assert folded.costs.draft_step.get(0.0) > 1.05 * c and folded.costs.catch_up_ratio == 0.0
+    best = best_draft_length([a] * 10, c, [1.0 + slope * k for k in range(11)], p)
+    told_mode, folded_mode = statistics.mode(told_ns[100:]), statistics.mode(folded_ns[100:])
+    assert told_mode == best and folded_mode < best, (told_mode, folded_mode, best)
 
 
 # --- Through generate(). -------------------------------------------------------------------------------------------
@@ -160,6 +260,32 @@ def test_greedy_auto_trees_equal_target_only(model, drafter):
     assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=30, do_sample=False))
     assert chooser.has_costs and len(chooser.chosen) == out.speculative_stats.num_rounds
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_a_draft_model_tree_reports_the_tokens_its_first_pass_catches_up_on(model, monkeypatch):
+    """1 after a round whose accepted path ends at a node the draft never evaluated (a childless one: with one node
+    expanded per level, only those), 0 otherwise; and the probe that starts an auto tree times the 2-token pass."""
+    reports, learn = [], TreeRounds.learn
+
+    def recording_learn(self, tree, accepted, num_accepted, draft_seconds, verify_seconds):
+        reports.append((tree.parents, list(accepted.path), tree.num_catch_up_tokens))
+        learn(self, tree, accepted, num_accepted, draft_seconds, verify_seconds)
+
+    monkeypatch.setattr(TreeRounds, "learn", recording_learn)
+    draft = make_noisy_copy(model, seed=3, noise=0.1)
+    model.generate(torch.tensor([[5, 9, 5, 9, 7]]), assistant_model=draft, do_sample=False, max_new_tokens=40,
+                   num_tree_nodes=4)
+    assert reports[0][2] == 4  # the prompt's prefill: 5 tokens
+    for (parents, path, _), (next_parents, _, num_catch_up) in zip(reports, reports[1:]):
+        ends_unfed = bool(path) and path[-1] not in parents
+        assert num_catch_up == (int(ends_unfed) if next_parents else 0), reports
+    assert {0, 1} <= {num_catch_up for _, _, num_catch_up in reports[1:]}, reports
+    widths, measure = [], ModelTreeDrafter.measure_passes
+    monkeypatch.setattr(ModelTreeDrafter, "measure_passes", lambda self, ids, passes, repeats: (
+        widths.append(list(passes)), measure(self, ids, passes, repeats))[1])
+    rounds = TreeRounds(ModelTreeDrafter(draft), AutoTreeSize())
+    start_sizer(model, rounds, max_new_tokens=40)
+    assert widths and all(asked == [1, 2] for asked in widths)
 
 
 def test_auto_drafts_nothing_where_no_draft_can_pay(model, caplog):

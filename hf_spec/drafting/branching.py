@@ -38,6 +38,9 @@ class BranchingTreeDrafter(TreeDrafter):
             instead of without replacement (which never proposes the same token twice, so it is accepted more).
     """
 
+    #: Committed tokens beyond one that the last `_start_tree` fed (a drafter with its own cache sets it).
+    num_catch_up_tokens = 0
+
     def __init__(self, branching: int = 2, width: int = 1, replacement: bool = False):
         self.branching, self.width = check_int("branching", branching), check_int("width", width)
         self.replacement = bool(replacement)
@@ -97,17 +100,18 @@ class BranchingTreeDrafter(TreeDrafter):
             num_steps += 1
             is_invalid[0] |= has_invalid_values(logits)
             scores = node_scores(batch, [path_to(parents, i) for i in frontier], logits, context, tokens)
-        return _tree(tokens, parents, laws, is_invalid, num_steps, batch, context)
+        return _tree(tokens, parents, laws, is_invalid, num_steps, batch, context, self.num_catch_up_tokens)
 
 
 def _tree(tokens: list[torch.Tensor], parents: list[int], laws: list[torch.Tensor], is_invalid: torch.Tensor,
-          num_steps: int, batch: RaggedBatch, context: DraftContext) -> DraftTree:
+          num_steps: int, batch: RaggedBatch, context: DraftContext, num_catch_up_tokens: int = 0) -> DraftTree:
     token_ids = torch.stack(tokens) if tokens else batch.model_ids[0, :0]
     draft_probs = None
     if context.do_sample:
         draft_probs = (torch.stack(laws) if laws
                        else torch.empty((0, context.vocab_size), device=batch.model_ids.device))
-    return DraftTree(token_ids, parents, draft_probs, is_invalid, num_model_steps=num_steps)
+    return DraftTree(token_ids, parents, draft_probs, is_invalid, num_model_steps=num_steps,
+                     num_catch_up_tokens=num_catch_up_tokens)
 
 
 def node_scores(batch: RaggedBatch, paths: list[list[int]], logits: torch.Tensor, context: DraftContext,

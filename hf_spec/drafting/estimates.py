@@ -141,11 +141,11 @@ class PassCosts:
         self.reference: list[tuple[int, float]] = []  # the probe's (size, seconds), sorted by size, kept as measured
         self.speed = DecayedMean(decay)  # measured seconds / the probe's, over recent target passes of any size
 
-    def seed(self, costs: CostTable, weight: float) -> None:
+    def seed(self, costs: CostTable, weight: float, catch_up: bool = True) -> None:
         if costs.draft_step_seconds > 0:
             self.draft_step.seed(costs.draft_step_seconds, weight)
             two_tokens = costs.draft_pass_seconds.get(2, costs.draft_step_seconds)  # both timed in one interleaved loop
-            self.catch_up_ratio = max(0.0, two_tokens / costs.draft_step_seconds - 1.0)
+            self.catch_up_ratio = max(0.0, two_tokens / costs.draft_step_seconds - 1.0) if catch_up else 0.0
         probed = {size: seconds for size, seconds in costs.target_block_seconds.items() if size <= self.max_block_size}
         self.reference = sorted({**dict(self.reference), **probed}.items())
         if self.reference:

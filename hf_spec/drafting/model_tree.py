@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import keep_tree_path
+from hf_spec.caches import cache_length, keep_tree_path
 from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.forward import forward_tree
@@ -25,6 +25,7 @@ class ModelTreeDrafter(ModelDrafter, BranchingTreeDrafter):
         self._num_committed, self._fed = None, []  # cache columns: committed, then these nodes in order
 
     def _start_tree(self, batch: RaggedBatch) -> torch.Tensor:
+        self.num_catch_up_tokens = max(0, batch.model_ids.shape[1] - cache_length(self.cache) - 1)
         empty = batch.model_ids[0, :0]
         logits, _ = forward_tree(
             self.model, self.cache, self._clamped(batch.model_ids), batch.model_mask, empty, empty,

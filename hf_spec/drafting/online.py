@@ -136,10 +136,12 @@ class OnlineSizer:
         self.has_costs = False
         self.chosen: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)  # tokens drafted, last rounds
 
-    def start_from(self, costs: CostTable, weight: float = 4.0) -> None:
+    def start_from(self, costs: CostTable, weight: float = 4.0, catch_up: bool = True) -> None:
         """Seed the costs with measured ones: the draft step and the machine's speed are each worth ``weight`` online
-        measurements (which then take over); each block size leans on the probe's figure (`PassCosts`)."""
-        self.costs.seed(costs, weight)
+        measurements (which then take over); each block size leans on the probe's figure (`PassCosts`). ``catch_up``:
+        whether the drafter reports catch-ups, so that the probe's 2-token pass prices them (a tree's level pass of
+        two nodes is no catch-up)."""
+        self.costs.seed(costs, weight, catch_up)
         self.has_costs = True
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0

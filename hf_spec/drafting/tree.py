@@ -28,6 +28,7 @@ class DraftTree:
     draft_probs: torch.Tensor | None  # [n, vocab] the law node i was drawn from; None when greedy
     is_invalid: torch.Tensor  # [2] bool: NaN/inf draft logits; processed scores with NaN/+inf or nothing unmasked
     num_model_steps: int  # draft-model forward passes it took (0 for lookup and suffix trees)
+    num_catch_up_tokens: int = 0  # committed tokens beyond one that the draft's first pass fed (a draft model's cache)
 
     def __post_init__(self):
         if self.token_ids.dim() != 1 or len(self.parents) != self.token_ids.shape[0] or any(

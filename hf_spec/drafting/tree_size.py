@@ -12,11 +12,17 @@ and a tree emits 1 + sum_v f(v) tokens in expectation. `grow_values` replays the
 the value (level by level, the ``width`` best nodes of a level expanded into ``branching`` children; or best-first
 over the whole tree for a drafter without a width, such as suffix matching), giving the expected tokens and the depth
 of the tree for every budget N. A round costs one draft pass per depth (a draft model or head; nothing for suffix
-matching) plus one target pass over N + 1 tokens. `AutoTreeSize` estimates p and both costs online as
-`AutoDraftLength` does (`hf_spec.drafting.online`: forgetting, shrinkage, the probe's costs as a start, exploration
-after rounds without drafting, and the clock overruling the model), and before every round picks the N in
-0 .. ``max_nodes`` and the branching (the drafter's, or 1: a chain) with the most expected tokens per second. Where
-blocks are expensive it thus drafts a chain, or nothing.
+matching) plus one target pass over N + 1 tokens, plus a draft model's catch-up: where the accepted path ends at a
+node the draft never evaluated (one without children: the deepest level, the siblings not expanded), its next first
+pass feeds two tokens (`catch_up_chances`: that happens with chance sum f(v) over those nodes; the premium is the
+probe's 2-token pass over its step, learnt apart from the step as auto k does). `AutoTreeSize` estimates p and the
+costs online as `AutoDraftLength` does (`hf_spec.drafting.online`: forgetting, shrinkage, the probe's costs as a
+start, exploration after rounds without drafting, and the clock overruling the model), and before every round picks
+the N in 0 .. ``max_nodes`` and the branching (the drafter's, or 1: a chain) with the most expected tokens per second.
+Where blocks are expensive it thus drafts a chain, or nothing. Auto k's two rules for thin evidence hold here too:
+where no tree pays but one token would at `HOPE_ERRORS` standard errors above the first depth's estimate, one token;
+where the best tree is D deep and a tree D + 1 deep would pay at `REACH_ERRORS` standard errors above the estimate
+at depth D (never observed while trees stop at D), the deeper tree.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import heapq
 
 from hf_spec.checks import check_int
 from hf_spec.drafting.costs import CostTable
+from hf_spec.drafting.draft_length import HOPE_ERRORS, REACH_ERRORS
 from hf_spec.drafting.estimates import DecayedMean, PositionalAcceptance
 from hf_spec.drafting.online import MAX_CHOSEN, OnlineSizer
 from hf_spec.drafting.tree import DraftTree
@@ -65,9 +72,9 @@ class FixedTreeSize:
 
 
 def grow_values(acceptance: list[list[float]], num_nodes: int, branching: int,
-                width: int | None) -> tuple[list[float], list[int]]:
-    """``(f, depth)`` of each node in the order the drafter adds them, at most ``num_nodes``: the expected tokens of a
-    budget N are ``1 + sum(f[:N])`` and its draft passes ``depth[N - 1]``.
+                width: int | None) -> tuple[list[float], list[int], list[int]]:
+    """``(f, depth, parent)`` of each node in the order the drafter adds them, at most ``num_nodes``: the expected
+    tokens of a budget N are ``1 + sum(f[:N])`` and its draft passes ``depth[N - 1]``.
 
     Args:
         acceptance: ``p[d][r]`` for depths ``0 .. D - 1`` (the tree is at most D deep) and ranks ``0 .. branching - 1``.
@@ -75,39 +82,57 @@ def grow_values(acceptance: list[list[float]], num_nodes: int, branching: int,
     """
     values: list[float] = []
     depths: list[int] = []
+    parents: list[int] = []
 
-    def children(value: float, depth: int) -> list[float]:  # f of each child of a node at ``depth``
-        reach, out = value, []
+    def children(node: int, depth: int) -> list[tuple[float, int]]:  # (f, parent) of each child of a node at depth
+        reach, out = (values[node] if node >= 0 else 1.0), []
         for rank in range(min(branching, len(acceptance[depth]))):
-            out.append(reach * acceptance[depth][rank])
+            out.append((reach * acceptance[depth][rank], node))
             reach *= 1.0 - acceptance[depth][rank]
         return out
 
+    def add(value: float, depth: int, parent: int) -> None:
+        values.append(value)
+        depths.append(depth)
+        parents.append(parent)
+
     if not acceptance:
-        return values, depths
+        return values, depths, parents
     if width is None:  # best-first: the most valuable node not yet in the tree, which keeps the tree connected
-        heap = [(-f, 1) for f in children(1.0, 0)]
+        heap = [(-f, 1, parent) for f, parent in children(-1, 0)]
         heapq.heapify(heap)
         while heap and len(values) < num_nodes:
-            negative, depth = heapq.heappop(heap)
-            values.append(-negative)
-            depths.append(depth)
+            negative, depth, parent = heapq.heappop(heap)
+            add(-negative, depth, parent)
             if depth < len(acceptance):
-                for f in children(-negative, depth):
-                    heapq.heappush(heap, (-f, depth + 1))
-        return values, depths
-    frontier, depth = [1.0], 0
+                for f, node in children(len(values) - 1, depth):
+                    heapq.heappush(heap, (-f, depth + 1, node))
+        return values, depths, parents
+    frontier, depth = [-1], 0
     while depth < len(acceptance) and len(values) < num_nodes:
         level = []
-        for value in frontier:
-            for f in children(value, depth):
+        for node in frontier:
+            for f, parent in children(node, depth):
                 if len(values) == num_nodes:
                     break
-                values.append(f)
-                depths.append(depth + 1)
-                level.append(f)
-        frontier, depth = sorted(level, reverse=True)[:width], depth + 1
-    return values, depths
+                add(f, depth + 1, parent)
+                level.append(len(values) - 1)
+        frontier, depth = sorted(level, key=lambda i: -values[i])[:width], depth + 1
+    return values, depths, parents
+
+
+def catch_up_chances(values: list[float], parents: list[int]) -> list[float]:
+    """For each budget N (index N - 1): the chance that the accepted path ends at a node without children among the
+    first N, which a draft model never fed (the deepest level is never evaluated), so that its next first pass feeds
+    two tokens (that node and the bonus token), a catch-up. A path ends at a childless node v with chance f(v)."""
+    chances, childless, has_child = [], 0.0, [False] * len(values)
+    for value, parent in zip(values, parents):
+        if parent >= 0 and not has_child[parent]:
+            has_child[parent] = True
+            childless -= values[parent]
+        childless += value
+        chances.append(childless)
+    return chances
 
 
 def rank_outcomes(parents: list[int], path: list[int]) -> list[tuple[int, int, bool]]:
@@ -155,15 +180,16 @@ class AutoTreeSize(OnlineSizer):
         self._seed_weight = 0.0
         self.chosen_branching: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)
 
-    def start_from(self, costs: CostTable, weight: float = 4.0) -> None:
-        super().start_from(costs, weight)
+    def start_from(self, costs: CostTable, weight: float = 4.0, catch_up: bool = True) -> None:
+        super().start_from(costs, weight, catch_up)
         passes = costs.draft_pass_seconds or ({1: costs.draft_step_seconds} if costs.draft_step_seconds > 0 else {})
         self._probed_passes, self._seed_weight = dict(passes), weight
 
-    def tree_acceptance(self, branching: int) -> list[list[float]]:
-        """``p[d][r]`` for ranks ``0 .. branching - 1``: first children from the chain's estimate, later ones shrunk
-        towards their rank's pooled rate, which is shrunk towards ``later_prior``."""
-        columns = [self.first.estimate(), *(rank.estimate() for rank in self.later[: branching - 1])]
+    def tree_acceptance(self, branching: int, first: list[float] | None = None) -> list[list[float]]:
+        """``p[d][r]`` for ranks ``0 .. branching - 1``: first children from the chain's estimate (or ``first``),
+        later ones shrunk towards their rank's pooled rate, which is shrunk towards ``later_prior``."""
+        columns = [self.first.estimate() if first is None else first,
+                   *(rank.estimate() for rank in self.later[: branching - 1])]
         return [list(row) for row in zip(*columns)]
 
     def choose_tree(self, depth_limit: int, growth: tuple[int, int | None]) -> TreeChoice:
@@ -175,22 +201,40 @@ class AutoTreeSize(OnlineSizer):
         if forced is not None:
             branching = 1 if self.exploration.is_exploring or forced == 0 else None
             return self._chose_tree(TreeChoice(forced if depth_limit > 0 else 0, depth_limit, branching), growth)
+        plain = 1.0 / self.block_seconds(1)
+        best, best_rate = self._best_tree(self.first.estimate(), depth_limit, growth)
+        if best.num_nodes > 0 and self.clock.overrules(best_rate / plain):
+            best = TreeChoice(0, depth_limit, 1)  # the cost model says draft, the clock says no
+        elif best.num_nodes == 0 and depth_limit > 0:  # one token may still pay: it costs little and buys evidence
+            hopeful, _ = self._best_tree(self.first.hopeful(HOPE_ERRORS), 1, (1, 1))
+            best = TreeChoice(1, 1, 1) if hopeful.num_nodes else best
+        elif best.max_depth < depth_limit:  # one level deeper, while the evidence there is thin
+            deeper, deeper_rate = self._best_tree(self.first.hopeful(REACH_ERRORS, position=best.max_depth),
+                                                  best.max_depth + 1, growth)
+            best = deeper if deeper_rate > best_rate else best
+        return self._chose_tree(best, growth)
+
+    def _best_tree(self, first: list[float], depth_limit: int, growth: tuple[int, int | None]
+                   ) -> tuple[TreeChoice, float]:
+        """The budget, depth and branching with the most expected tokens per second, and that rate, where first
+        children are accepted at depth d with ``first[d]``: per round, one draft pass per level, the target pass, and
+        the draft's catch-up where the accepted path ends at a node it never fed."""
         best, best_rate = TreeChoice(0, depth_limit, 1), 1.0 / self.block_seconds(1)
         drafter_branching, width = growth
+        chain_step = self.costs.draft_step.get(0.0)
+        catch_up = self.costs.catch_up_ratio * chain_step
         for branching in sorted({1, drafter_branching}):
-            step = self.costs.draft_step.get(0.0)
-            step = step if branching == 1 else self.tree_step.get(step)
-            values, depths = grow_values(self.tree_acceptance(min(branching, MAX_RANKS))[:depth_limit],
-                                         self.max_nodes, branching, 1 if branching == 1 else width)
+            step = chain_step if branching == 1 else self.tree_step.get(chain_step)
+            acceptance = self.tree_acceptance(min(branching, MAX_RANKS), first)[:depth_limit]
+            values, depths, parents = grow_values(acceptance, self.max_nodes, branching, 1 if branching == 1 else width)
             expected = 1.0
-            for count, (value, depth) in enumerate(zip(values, depths), start=1):
+            for count, (value, depth, chance) in enumerate(zip(values, depths, catch_up_chances(values, parents)),
+                                                           start=1):
                 expected += value
-                rate = expected / (depth * step + self.block_seconds(count + 1))
+                rate = expected / (depth * step + self.block_seconds(count + 1) + chance * catch_up)
                 if rate > best_rate:
                     best, best_rate = TreeChoice(count, depth, branching), rate
-        if best.num_nodes > 0 and self.clock.overrules(best_rate * self.block_seconds(1)):
-            best = TreeChoice(0, depth_limit, 1)  # the cost model says draft, the clock says no
-        return self._chose_tree(best, growth)
+        return best, best_rate
 
     def _seed_tree_step(self, width: int | None) -> None:
         """Once: a tree level's draft pass starts from the probe's pass nearest the level's width (a step if none)."""
@@ -218,4 +262,5 @@ class AutoTreeSize(OnlineSizer):
             self.first.forget_unreached(reached)
         is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
         self._learn_round(tree.num_nodes + 1, self.tree_step if is_tree else self.costs.draft_step, draft_seconds,
-                          tree.num_model_steps, verify_seconds, 1.0 + len(path))
+                          tree.num_model_steps, verify_seconds, 1.0 + len(path),
+                          self.costs.catch_up_ratio * min(tree.num_catch_up_tokens, 1))
