@@ -329,3 +329,46 @@ def test_a_forced_id_past_the_tokenizer_is_drafted_and_kept_exactly(letters_pair
         output = target.generate(prompt, assistant_model=drafter, num_assistant_tokens=3, max_new_tokens=12,
                                  do_sample=False, logits_processor=processors, pad_token_id=PAD)
         assert torch.equal(output, expected) and (expected[0, 4:] == token).any(), matching
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_the_draft_reports_the_tokens_its_first_pass_catches_up_on(small_target, small_pair, monkeypatch, do_sample):
+    """`Proposal.num_catch_up_tokens` is what the round's first draft pass fed beyond one token (the re-tokenized text
+    the draft had not read), as a same-tokenizer draft model reports it, so auto k prices catch-ups; 0 for a round
+    that drafts nothing; and the probe that starts auto k times the draft's 2-token pass."""
+    from hf_spec.caches import cache_length
+    from hf_spec.drafting.costs import forget_costs
+
+    tokenizer, draft_tokenizer, draft = small_pair
+    forget_costs(draft)  # so that auto k probes here
+    original_forward, original_propose = cross.forward_missing, CrossTokenizerDrafter.propose
+    fed, reports = [], []  # per round: the columns its first pass fed; what the proposal reported
+
+    def recording_forward(model, cache, ids, mask, num_logits):
+        if len(fed) < len(reports) + 1:  # the round's first pass
+            fed.append(ids.shape[1] - cache_length(cache))
+        return original_forward(model, cache, ids, mask, num_logits)
+
+    def recording_propose(self, batch, num_draft_tokens, context):
+        proposal = original_propose(self, batch, num_draft_tokens, context)
+        fed.extend([0] * (len(reports) + 1 - len(fed)))  # a round without a draft pass fed nothing
+        reports.append((num_draft_tokens, proposal.num_catch_up_tokens))
+        return proposal
+
+    monkeypatch.setattr(cross, "forward_missing", recording_forward)
+    monkeypatch.setattr(CrossTokenizerDrafter, "propose", recording_propose)
+    widths, measure = [], CrossTokenizerDrafter.measure_passes
+    monkeypatch.setattr(CrossTokenizerDrafter, "measure_passes", lambda self, ids, passes, repeats: (
+        widths.append(list(passes)), measure(self, ids, passes, repeats))[1])
+    for k in (2, "auto"):
+        fed.clear(), reports.clear()
+        small_target.generate(PROMPT, assistant_model=draft, tokenizer=tokenizer,
+                        assistant_tokenizer=draft_tokenizer, num_assistant_tokens=k, max_new_tokens=30,
+                        do_sample=do_sample, pad_token_id=PAD, generator=torch.Generator().manual_seed(1))
+        assert len(reports) > 3
+        for columns, (num_draft_tokens, num_catch_up) in zip(fed, reports):
+            assert num_catch_up == (max(0, columns - 1) if num_draft_tokens else 0), (fed, reports)
+        drafted = [num_catch_up for num_draft_tokens, num_catch_up in reports if num_draft_tokens]
+        assert drafted[0] > 1  # the prompt, re-tokenized
+        assert any(num_catch_up >= 1 for num_catch_up in drafted[1:]), reports  # the bonus token and more
+    assert widths and all(passes == [1, 2] for passes in widths), widths

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import crop_to, new_cache, select_rows
+from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
 from hf_spec.compat import is_rewired_by_universal_assisted_generation
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
@@ -101,7 +101,10 @@ def to_target_space(logits: torch.Tensor, target_ids: torch.Tensor, draft_ids: t
 
 class CrossTokenizerDrafter(Drafter):
     """Drafts with a model whose tokenizer differs from the target's (see the module docstring); ``matching`` is one
-    of `MATCHINGS`."""
+    of `MATCHINGS`. Its proposals count the draft tokens its first pass caught up on beyond one
+    (`Proposal.num_catch_up_tokens`), which auto k prices as a draft model's."""
+
+    reports_catch_up = True
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any, draft_tokenizer: Any, matching: str = "auto"):
         if matching not in MATCHINGS:
@@ -125,8 +128,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
         self._catch_up(self._draft_tokens(batch))
+        num_catch_up = max(0, self.ids.shape[1] - cache_length(self.cache) - 1) if num_draft_tokens else 0
         if self.matching == "string" or (self.matching == "auto" and not context.do_sample):
-            return self._propose_text(batch, num_draft_tokens, context)
+            return self._propose_text(batch, num_draft_tokens, context, num_catch_up)
         draft_ids = batch.model_ids.new_empty((batch.num_active, 0))  # target ids
         probs = []
         is_invalid = torch.zeros(2, dtype=torch.bool, device=draft_ids.device)
@@ -145,9 +149,10 @@ class CrossTokenizerDrafter(Drafter):
                 fed = torch.where(known, self.to_draft[ids.clamp(max=len(self.to_draft) - 1)], self.fallback)
                 self._append([[index] for index in fed.tolist()])
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
-                        num_model_steps=draft_ids.shape[1])
+                        num_model_steps=draft_ids.shape[1], num_catch_up_tokens=num_catch_up)
 
-    def _propose_text(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
+    def _propose_text(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext,
+                      num_catch_up: int) -> Proposal:
         """String-level matching: the draft's greedy text, tokenized by the target's tokenizer, as point masses."""
         own = []  # per step: [active] the draft's own ids
         is_invalid = torch.zeros(2, dtype=torch.bool, device=batch.model_ids.device)
@@ -166,7 +171,8 @@ class CrossTokenizerDrafter(Drafter):
         candidates = [torch.tensor(_below(ids[:num_draft_tokens], context.vocab_size), dtype=torch.long)
                       for ids in encoded]
         proposal = point_mass_proposal(candidates, batch, context)
-        return Proposal(proposal.draft_ids, proposal.draft_probs, is_invalid, num_model_steps=len(own))
+        return Proposal(proposal.draft_ids, proposal.draft_probs, is_invalid, num_model_steps=len(own),
+                        num_catch_up_tokens=num_catch_up)
 
     def _draft_tokens(self, batch: RaggedBatch) -> list[list[int]]:
         """Every active row's committed text, tokenized by the draft's tokenizer."""
