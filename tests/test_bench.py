@@ -401,3 +401,30 @@ def test_the_formula_at_the_runs_own_costs_and_where_the_rest_goes():
             + result["lost_outside_the_passes"]) == pytest.approx(1.0)
     assert in_run_prediction(method, baseline, None)["share_of_predicted_in_run"] is None, "no fixed k"
     assert in_run_prediction(method, [_profiled_run(4.0, {}, {}, 40, prompt=1)], k)["in_run_cost_ratio"] is None
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_the_warm_up_makes_every_cost_probe_the_timed_calls_use(tmp_path, monkeypatch, forget):
+    """Auto k and auto trees probe the costs of passes sized by ``max_new_tokens``: the warm-up call runs with the
+    timed calls' ``max_new_tokens`` (stopped after a few tokens), so no timed call pays a probe (a tree's first timed
+    call once paid 11 s of probing). Control: probes forgotten after the warm-up are made again in a timed call."""
+    import hf_spec.drafting.costs as costs
+
+    probes, timed = [], []
+    measure, interleaved = costs.measure_costs, hf_spec.bench.runner._interleaved_runs
+    monkeypatch.setattr(costs, "measure_costs", lambda *args, **kwargs: (probes.append(bool(timed)),
+                                                                          measure(*args, **kwargs))[1])
+
+    def timed_runs(plan, *args, **kwargs):
+        timed.append(True)
+        for model in plan.pairs[""] if forget else ():
+            costs.forget_costs(model)
+        return interleaved(plan, *args, **kwargs)
+
+    monkeypatch.setattr(hf_spec.bench.runner, "_interleaved_runs", timed_runs)
+    argv = ["bench", *TINY, "--prompts", "2", "--max-new-tokens", "24", "--threads", "1", "--no-progress",
+            "--workloads", "code", "--settings", "greedy", "--methods", "hf_spec_auto", "hf_spec_tree_auto",
+            "--kernel-baselines", "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    assert main(argv) == 0
+    assert probes.count(False) >= 2  # auto k's and the tree's, before the timed calls
+    assert (True in probes) == forget, probes

@@ -1,9 +1,11 @@
 """`hf-spec bench`: target-only decoding, transformers' assisted generation and hf_spec, side by side.
 
 All methods (`hf_spec.bench.methods`) run in one process on the same weights, prompts and settings, interleaved prompt
-by prompt (their order rotates from one prompt to the next), after a warm-up call of each (a compiled method's warm-up
-runs every timed call once, so that its graphs compile before the timing; the report gives that time,
-``warmup_seconds``, and the graphs hf_spec still compiled during the timed calls, ``graphs_compiled_while_timed``).
+by prompt (their order rotates from one prompt to the next), after a warm-up call of each (4 tokens at the timed calls'
+``max_new_tokens``, so that auto k's and auto trees' cost probes are made there, not in a timed call; a compiled
+method's warm-up runs every timed call once, so that its graphs compile before the timing; the report gives that
+time, ``warmup_seconds``, and the graphs hf_spec still compiled during the timed calls,
+``graphs_compiled_while_timed``).
 
 Workloads: ``code`` (HumanEval prompts completed as text), ``prose`` (chat requests for prose), ``edit`` (chat requests
 to add type hints to a given HumanEval solution: the answer copies much of the input). Sampled runs of one prompt
@@ -31,7 +33,7 @@ import time
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
 from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, bench_compile_config, generate_once,
@@ -50,6 +52,7 @@ from hf_spec.mixin import speculative
 from hf_spec.plan import chain_draft_widths, cross_tokenizer_drafter, make_drafter
 
 logger = logging.getLogger(__name__)
+WARM_UP_TOKENS = 4  # tokens of each method's warm-up call (`_warm_up`)
 
 
 def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
@@ -220,10 +223,22 @@ class _Plan:
         return make_drafter(draft)
 
 
+class _StopAfter(StoppingCriteria):
+    """Stops every row once it holds ``length`` tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.length, device=input_ids.device)
+
+
 def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) -> dict[str, float]:
-    """Seconds of each method's warm-up: a 4-token call on the first prompt; a compiled method runs every prompt of
-    every setting to the full length instead, so that each pass width the timed calls meet compiles here (this is
-    the compile time); transformers' methods on copies of a draft of another tokenizer warm up greedy and sampled."""
+    """Seconds of each method's warm-up: a call on the first prompt with the timed calls' ``max_new_tokens``, stopped
+    after 4 tokens by a criterion (so an automatic size makes here the cost probe its timed calls use: its sizes
+    follow ``max_new_tokens``); a compiled method runs every prompt of every setting to the full length instead, so
+    that each pass width the timed calls meet compiles here (this is the compile time); transformers' methods on
+    copies of a draft of another tokenizer warm up greedy and sampled."""
     greedy_and_sampled = [{}] + [setting for setting in settings.values() if setting.get("do_sample")][:1]
     every_call = [(prompt, setting) for prompts in workloads.values() for prompt in prompts
                   for setting in settings.values()]
@@ -236,7 +251,8 @@ def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) 
         elif plan.transformers_drafts and not spec.is_ours:
             calls = [(first, {**setting, "max_new_tokens": 4}) for setting in greedy_and_sampled]
         else:
-            calls = [(first, {"max_new_tokens": 4})]
+            stop = StoppingCriteriaList([_StopAfter(first["input_ids"].shape[1] + WARM_UP_TOKENS)])
+            calls = [(first, {"max_new_tokens": max_new_tokens, "stopping_criteria": stop})]
         for prompt, setting in calls:
             generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
                           {**plan.generate_kwargs, **setting}, draft_kwargs=plan.draft_kwargs)
