@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
         tokenizer=pair.tokenizer, profile=args.profile, draft_tokenizer=pair.draft_tokenizer,
     )
-    report["config"].update(target=args.target, draft=args.draft, draft_quantization=args.quantize_draft,
+    report["config"].update(target=args.target, draft=args.draft, offset=args.offset,
+                            draft_quantization=args.quantize_draft,
                             cpu_paths={role: None if path is None else dataclasses.asdict(path)
                                        for role, path in (("target", pair.target_path), ("draft", pair.draft_path))})
     plot(report, args.plot)
