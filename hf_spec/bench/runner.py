@@ -33,11 +33,11 @@ import time
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import PreTrainedModel, StoppingCriteriaList
 
 from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
-from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, bench_compile_config, generate_once,
-                                   method_spec)
+from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, StopAfter, bench_compile_config,
+                                   generate_once, method_spec)
 from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
 from hf_spec.compiled import compiled_forward
@@ -223,16 +223,6 @@ class _Plan:
         return make_drafter(draft)
 
 
-class _StopAfter(StoppingCriteria):
-    """Stops every row once it holds ``length`` tokens."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.length, device=input_ids.device)
-
-
 def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) -> dict[str, float]:
     """Seconds of each method's warm-up: a call on the first prompt with the timed calls' ``max_new_tokens``, stopped
     after 4 tokens by a criterion (so an automatic size makes here the cost probe its timed calls use: its sizes
@@ -251,7 +241,7 @@ def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) 
         elif plan.transformers_drafts and not spec.is_ours:
             calls = [(first, {**setting, "max_new_tokens": 4}) for setting in greedy_and_sampled]
         else:
-            stop = StoppingCriteriaList([_StopAfter(first["input_ids"].shape[1] + WARM_UP_TOKENS)])
+            stop = StoppingCriteriaList([StopAfter(first["input_ids"].shape[1] + WARM_UP_TOKENS)])
             calls = [(first, {"max_new_tokens": max_new_tokens, "stopping_criteria": stop})]
         for prompt, setting in calls:
             generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
