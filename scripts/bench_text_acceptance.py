@@ -11,7 +11,8 @@ argmax agreement greedy), prints each method's mean acceptance over its texts, a
 k and every fixed k then run on the same texts' acceptance, policy against policy.
 
 The prompts are rebuilt from the run's workloads, prompt counts and ``--offset`` (give the run's own); the pair is the
-run's (``--target``/``--draft``, the built-in pair by default) in the run's dtype.
+run's (``--target``/``--draft``, the built-in pair by default; ``tiny`` for a run on the random tiny pair) in the run's
+dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 
 import hf_spec
-from hf_spec.bench.workloads import text_workloads
+from hf_spec.bench.workloads import random_workloads, text_workloads
+from hf_spec.loading.pair import TINY
+from hf_spec.loading.tiny import TINY_VOCAB_SIZE
 from hf_spec.evaluation.draft_fit import evaluate_draft
 
 
@@ -41,10 +44,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     report = json.loads(Path(args.report).read_text())
     config = report["config"]
-    pair = hf_spec.load_pair(args.target, args.draft, dtype=config["dtype"])
-    offset = config.get("offset", 0) if args.offset is None else args.offset  # older reports lack it: give it
-    workloads = text_workloads(pair.tokenizer, tuple(config["prompts_per_workload"]),
-                               max(config["prompts_per_workload"].values()), offset)
+    pair = hf_spec.load_pair(args.target, args.draft, dtype=config["dtype"], seed=config["seed"])
+    names, count = tuple(config["prompts_per_workload"]), max(config["prompts_per_workload"].values())
+    if args.target == TINY:  # the bench's random prompts
+        workloads = random_workloads(names, count, TINY_VOCAB_SIZE, seed=config["seed"])
+    else:
+        offset = config.get("offset", 0) if args.offset is None else args.offset  # older reports lack it: give it
+        workloads = text_workloads(pair.tokenizer, names, count, offset)
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     groups: dict[tuple[str, str, str], list[dict]] = {}

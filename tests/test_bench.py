@@ -428,3 +428,42 @@ def test_the_warm_up_makes_every_cost_probe_the_timed_calls_use(tmp_path, monkey
     assert main(argv) == 0
     assert probes.count(False) >= 2  # auto k's and the tree's, before the timed calls
     assert (True in probes) == forget, probes
+
+
+def test_the_texts_each_method_wrote_are_scored_as_eval_draft_scores_them(tmp_path, monkeypatch):
+    """`scripts/bench_text_acceptance.py`: one report per (setting, method) over the texts that method wrote, each
+    equal to `evaluate_draft` on those texts; a text scored against the wrong prompt gives other figures (control)."""
+    import runpy
+    import sys
+
+    from hf_spec.evaluation.draft_fit import evaluate_draft
+    from hf_spec.loading.pair import load_pair
+
+    argv = ["bench", *TINY, "--prompts", "2", "--max-new-tokens", "12", "--threads", "1", "--no-progress",
+            "--workloads", "code", "--settings", "greedy", "sampled", "--methods", "hf_spec_k2",
+            "--kernel-baselines", "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    assert main(argv) == 0
+    script = hf_spec.bench.runner.__file__.rsplit("hf_spec", 1)[0] + "scripts/bench_text_acceptance.py"
+    monkeypatch.setattr(sys, "argv", ["bench_text_acceptance.py", str(tmp_path / "b.json"), "--target", "tiny",
+                                      "--draft", "tiny", "--threads", "1", "--output-dir", str(tmp_path / "texts")])
+    runpy.run_path(script, run_name="__main__")
+    summary = json.loads((tmp_path / "texts" / "summary.json").read_text())
+    assert {(row["setting"], row["method"]) for row in summary} == {
+        (setting, method) for setting in ("greedy", "sampled") for method in ("target_only", "hf_spec_k2")}
+    report = json.loads((tmp_path / "b.json").read_text())
+    pair = load_pair("tiny", "tiny", seed=0)
+    prompts = random_workloads(("code",), 2, TINY_VOCAB_SIZE, seed=0)["code"]
+    runs = [run for run in report["runs"] if run["setting"] == "sampled" and run["method"] == "hf_spec_k2"]
+    scored = json.loads((tmp_path / "texts" / "code_sampled_hf_spec_k2.json").read_text())["predicted"]
+    texts = [torch.tensor([run["new_ids"]]) for run in runs]
+    settings = report["config"]["settings"]["sampled"]
+    expected = evaluate_draft(pair.target, pair.draft, [prompts[run["prompt"]]["input_ids"] for run in runs], texts,
+                              settings, progress=False)
+    def flat(alongs):
+        return [value for along in alongs for value in along]
+
+    assert [len(along) for along in scored["acceptance_along_text"]] == [len(run["new_ids"]) for run in runs]
+    assert flat(scored["acceptance_along_text"]) == pytest.approx(flat(expected.acceptance_along_text), abs=1e-5)
+    swapped = evaluate_draft(pair.target, pair.draft, [prompts[1 - run["prompt"]]["input_ids"] for run in runs],
+                             texts, settings, progress=False)
+    assert flat(scored["acceptance_along_text"]) != pytest.approx(flat(swapped.acceptance_along_text), abs=1e-5)
