@@ -435,6 +435,7 @@ def test_the_texts_each_method_wrote_are_scored_as_eval_draft_scores_them(tmp_pa
     equal to `evaluate_draft` on those texts; a text scored against the wrong prompt gives other figures (control)."""
     import runpy
     import sys
+    from pathlib import Path
 
     from hf_spec.evaluation.draft_fit import evaluate_draft
     from hf_spec.loading.pair import load_pair
@@ -443,7 +444,7 @@ def test_the_texts_each_method_wrote_are_scored_as_eval_draft_scores_them(tmp_pa
             "--workloads", "code", "--settings", "greedy", "sampled", "--methods", "hf_spec_k2",
             "--kernel-baselines", "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     assert main(argv) == 0
-    script = hf_spec.bench.runner.__file__.rsplit("hf_spec", 1)[0] + "scripts/bench_text_acceptance.py"
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "bench_text_acceptance.py")
     monkeypatch.setattr(sys, "argv", ["bench_text_acceptance.py", str(tmp_path / "b.json"), "--target", "tiny",
                                       "--draft", "tiny", "--threads", "1", "--output-dir", str(tmp_path / "texts")])
     runpy.run_path(script, run_name="__main__")
