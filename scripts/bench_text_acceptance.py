@@ -11,8 +11,7 @@ argmax agreement greedy), prints each method's mean acceptance over its texts, a
 k and every fixed k then run on the same texts' acceptance, policy against policy.
 
 The prompts are rebuilt from the run's workloads, prompt counts and ``--offset`` (give the run's own); the pair is the
-run's (``--target``/``--draft``, the built-in pair by default; ``tiny`` for a run on the random tiny pair) in the run's
-dtype.
+run's (the report's own, or ``--target``/``--draft``) in the run's dtype.
 """
 
 from __future__ import annotations
@@ -27,26 +26,27 @@ import torch
 
 import hf_spec
 from hf_spec.bench.workloads import random_workloads, text_workloads
+from hf_spec.evaluation.draft_fit import evaluate_draft
 from hf_spec.loading.pair import TINY
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE
-from hf_spec.evaluation.draft_fit import evaluate_draft
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("report", help="an `hf-spec bench --output` JSON")
     parser.add_argument("--offset", type=int, default=None, help="the run's --offset (default: the report's own)")
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--target", default=None, help="the run's target (default: the report's own)")
+    parser.add_argument("--draft", default=None, help="the run's draft (default: the report's own)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = json.loads(Path(args.report).read_text())
     config = report["config"]
-    pair = hf_spec.load_pair(args.target, args.draft, dtype=config["dtype"], seed=config["seed"])
+    target, draft = args.target or config["target"], args.draft or config["draft"]
+    pair = hf_spec.load_pair(target, draft, dtype=config["dtype"], seed=config["seed"])
     names, count = tuple(config["prompts_per_workload"]), max(config["prompts_per_workload"].values())
-    if args.target == TINY:  # the bench's random prompts
+    if target == TINY:  # the bench's random prompts
         workloads = random_workloads(names, count, TINY_VOCAB_SIZE, seed=config["seed"])
     else:
         offset = config.get("offset", 0) if args.offset is None else args.offset  # older reports lack it: give it

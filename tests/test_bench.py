@@ -445,8 +445,8 @@ def test_the_texts_each_method_wrote_are_scored_as_eval_draft_scores_them(tmp_pa
             "--kernel-baselines", "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     assert main(argv) == 0
     script = str(Path(__file__).resolve().parents[1] / "scripts" / "bench_text_acceptance.py")
-    monkeypatch.setattr(sys, "argv", ["bench_text_acceptance.py", str(tmp_path / "b.json"), "--target", "tiny",
-                                      "--draft", "tiny", "--threads", "1", "--output-dir", str(tmp_path / "texts")])
+    monkeypatch.setattr(sys, "argv", ["bench_text_acceptance.py", str(tmp_path / "b.json"), "--threads", "1",
+                                      "--output-dir", str(tmp_path / "texts")])  # the pair: the report's own
     runpy.run_path(script, run_name="__main__")
     summary = json.loads((tmp_path / "texts" / "summary.json").read_text())
     assert {(row["setting"], row["method"]) for row in summary} == {
