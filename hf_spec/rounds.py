@@ -9,7 +9,10 @@ shape is a strategy object, chosen once per call (`hf_spec.plan`):
   where the cache needs it.
 - `TreeRounds`: a tree of at most N tokens (``num_tree_nodes``) for a batch of one row; one target pass under a tree
   attention mask; `hf_spec.rejection.accept_tree` walks one path down; the caches keep the committed prefix and the
-  accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed.
+  accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed. A round whose tree the
+  sizer chose as a chain (or as nothing) runs as a chain round instead: the same tokens and laws, but causal passes
+  with no tree mask and one processor pass over the block. As a tree it cost 5% more a round (AMX, edit requests,
+  greedy: the auto tree, which drafts 10-node chains there, ran 0.95x auto k).
 
 Why trees are for one row: each row would need its own tree, 4D mask and gathered path, and the suffix and
 branching drafters grow one row's tree from host-side candidates. The loop's holes (`hf_spec.rows`) would carry the
@@ -167,10 +170,12 @@ class ChainRounds(Rounds):
 
 class TreeRounds(Rounds):
     """A tree of draft tokens per round for one row; budget, depth and branching from ``sizer`` (`FixedTreeSize`
-    or `AutoTreeSize`)."""
+    or `AutoTreeSize`). Where the sizer chooses a chain (branching 1) or no draft, the round is a chain round
+    (``chain``): its draft is a `Proposal`, and every step below hands it to ``chain``."""
 
     def __init__(self, drafter: TreeDrafter, sizer):
         self.drafter, self.sizer = drafter, sizer
+        self.chain = ChainRounds(drafter, sizer)
 
     def start(self, batch: RaggedBatch, target_cache) -> None:
         if batch.batch_size != 1:
@@ -180,14 +185,18 @@ class TreeRounds(Rounds):
         check_tree_cache(target_cache, "cache")
         super().start(batch, target_cache)
 
-    def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> DraftTree:
+    def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> DraftTree | Proposal:
         choice = self.sizer.choose_tree(tokens_left, self.drafter.growth)
+        if choice.num_nodes == 0 or choice.max_depth == 0 or choice.branching == 1:  # a chain, or a plain step
+            return self.drafter.propose(batch, min(choice.num_nodes, choice.max_depth), context)
         return self.drafter.propose_tree(batch, choice.num_nodes, choice.max_depth, context, choice.branching)
 
-    def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft: DraftTree,
+    def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft: DraftTree | Proposal,
                logits_processor: LogitsProcessorList) -> Verified:
         """``[n + 1, vocab]`` logits and scores after the root and after each node, each processed with the
-        committed row and the node's path."""
+        committed row and the node's path (a chain: `ChainRounds.verify`)."""
+        if isinstance(draft, Proposal):
+            return self.chain.verify(target, target_cache, batch, draft, logits_processor)
         depths = torch.tensor(draft.depths, dtype=torch.long, device=draft.token_ids.device)
         logits, features = forward_tree(target, target_cache, batch.model_ids, batch.model_mask, draft.token_ids,
                                         depths, draft.visibility(), draft.num_nodes + 1, self.drafter.feature_layers)
@@ -197,7 +206,9 @@ class TreeRounds(Rounds):
             scores.append(process_step(logits_processor, row_ids, logits[node + 1][None], lengths)[0])
         return Verified(logits, torch.stack(scores), features, batch.model_ids.shape[1])
 
-    def accept(self, draft: DraftTree, verified: Verified, context: DraftContext) -> Accepted:
+    def accept(self, draft: DraftTree | Proposal, verified: Verified, context: DraftContext) -> Accepted:
+        if isinstance(draft, Proposal):
+            return self.chain.accept(draft, verified, context)
         if context.do_sample:
             path, next_id = accept_tree(draft.token_ids, draft.parents, draft.draft_probs,
                                         verified.scores.softmax(dim=-1), context.generator)
@@ -209,16 +220,24 @@ class TreeRounds(Rounds):
         return Accepted(output_ids, torch.tensor([len(path)], device=device), verified.logits[rows][None],
                         verified.scores[rows][None], path)
 
-    def size(self, draft: DraftTree) -> tuple[int, int | None]:
+    def size(self, draft: DraftTree | Proposal) -> tuple[int, int | None]:
+        if isinstance(draft, Proposal):
+            return draft.num_draft_tokens, draft.num_draft_tokens
         return draft.num_nodes, max(draft.depths, default=0)
 
-    def learn(self, draft: DraftTree, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
+    def learn(self, draft: DraftTree | Proposal, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
               verify_seconds: float | None) -> None:
-        self.sizer.update_tree(draft, accepted.path, draft_seconds, verify_seconds)
+        if isinstance(draft, Proposal):  # the sizer learns a chain as the tree it is: node i's parent is node i - 1
+            self.sizer.update_tree(chain_tree(draft), list(range(num_accepted[0])), draft_seconds, verify_seconds)
+        else:
+            self.sizer.update_tree(draft, accepted.path, draft_seconds, verify_seconds)
 
-    def keep(self, target_cache, draft: DraftTree, verified: Verified, accepted: Accepted) -> None:
+    def keep(self, target_cache, draft: DraftTree | Proposal, verified: Verified, accepted: Accepted) -> None:
         """The caches keep the committed prefix and the accepted path's entries; a draft head gets the target's
-        features of the committed tokens fed ``[missing + n, F]`` and of the path's nodes."""
+        features of the committed tokens fed ``[missing + n, F]`` and of the path's nodes. A chain round's caches
+        keep their columns as they are (the loop's rollback drops the rejected ones)."""
+        if isinstance(draft, Proposal):
+            return self.chain.keep(target_cache, draft, verified, accepted)
         path, num_committed = accepted.path, verified.num_committed
         if verified.features is not None:
             num_missing = verified.features.shape[0] - draft.num_nodes
@@ -227,3 +246,10 @@ class TreeRounds(Rounds):
             self.drafter.observe(verified.features[fed][None], start=num_committed - num_missing)
         keep_tree_path(target_cache, num_committed, path)
         self.drafter.keep_path(path)
+
+
+def chain_tree(proposal: Proposal) -> DraftTree:
+    """A one-row chain proposal as the tree it is (what `AutoTreeSize.update_tree` learns from)."""
+    k = proposal.num_draft_tokens
+    return DraftTree(proposal.draft_ids[0], list(range(-1, k - 1)), None, proposal.is_invalid,
+                     proposal.num_model_steps, proposal.num_catch_up_tokens)

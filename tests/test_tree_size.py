@@ -11,12 +11,14 @@ import torch
 from helpers import make_noisy_copy, make_tiny_model
 
 import hf_spec.drafting.tree_size
+import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import best_draft_length
 from hf_spec.drafting.estimates import SHIFT_EVIDENCE
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.speedup import expected_tokens
+from hf_spec.drafting.base import Proposal
 from hf_spec.drafting.tree import DraftTree
 from hf_spec.drafting.tree_size import AutoTreeSize, catch_up_chances, grow_values, rank_outcomes
 from hf_spec.heads import DraftHead
@@ -259,6 +261,39 @@ def test_greedy_auto_trees_equal_target_only(model, drafter):
                          return_dict_in_generate=True, **assistant)
     assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=30, do_sample=False))
     assert chooser.has_costs and len(chooser.chosen) == out.speculative_stats.num_rounds
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "head"])
+def test_an_auto_tree_drafts_its_chains_as_chain_rounds(model, drafter, monkeypatch):
+    """A round the sizer sizes as a chain (or as nothing) is a chain round: the drafter's `propose` and a causal
+    target pass, no tree mask (as trees, chains cost 5% more: AMX, edit requests). Greedy output stays target-only's,
+    and the sizer learns from chain rounds as from trees (one choice per round)."""
+    drafts, tree_passes, draft, forward_tree = [], [], TreeRounds.draft, hf_spec.rounds.forward_tree
+
+    def recording_draft(self, *args):
+        drafts.append(draft(self, *args))
+        return drafts[-1]
+
+    def recording_forward_tree(*args, **kwargs):
+        tree_passes.append(1)
+        return forward_tree(*args, **kwargs)
+
+    monkeypatch.setattr(TreeRounds, "draft", recording_draft)
+    monkeypatch.setattr(hf_spec.rounds, "forward_tree", recording_forward_tree)
+    prompt = torch.tensor([[5, 9, 5, 9, 7, 5, 9, 3, 1, 4, 1, 5]])
+    assistant = (make_noisy_copy(model, seed=3, noise=0.3) if drafter == "draft_model"
+                 else DraftHead.from_target(model))
+    chooser = AutoTreeSize(max_nodes=8, max_depth=3)  # the first round a tree, then on costs where chains pay
+    chooser.start_from(CostTable(1.0, 0.05, {1: 1.0, 2: 1.0, 3: 1.05, 4: 2.0, 9: 4.0}, {1: 0.05, 2: 0.05}),
+                       weight=1e9)
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, num_tree_nodes=chooser,
+                         assistant_model=assistant, return_dict_in_generate=True)
+    chains = [proposal.num_draft_tokens for proposal in drafts if isinstance(proposal, Proposal)]
+    trees = [tree for tree in drafts if isinstance(tree, DraftTree)]
+    assert any(chains) and trees and len(tree_passes) == len(trees), (chains, len(trees), len(tree_passes))
+    assert len(chooser.chosen) == out.speculative_stats.num_rounds == len(drafts)
+    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=40, do_sample=False))
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
 
 

@@ -14,6 +14,7 @@ from helpers import make_noisy_copy, make_tiny_model
 from transformers import LogitsProcessorList
 
 import hf_spec.drafting.branching
+import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.model_tree import ModelTreeDrafter
@@ -194,6 +195,26 @@ def test_negative_control_children_without_replacement_reported_as_iid(small_tar
     result = fit_sequences(samples, exact_law(small_target, _settings({}), PROMPT, NUM_TOKENS, []))
     print("negative control, without replacement reported as i.i.d.:", result)
     assert not result.is_consistent, result
+
+
+def test_negative_control_an_auto_trees_chain_rounds_accepted_against_the_draft(small_target, small_draft,
+                                                                               monkeypatch):
+    """The auto tree's chains run as chain rounds (`hf_spec.rounds.TreeRounds.chain`), and the ``auto_budget`` case
+    sees them: verifying their drafts against the draft's own law instead of the target's must fail it."""
+    original, chain_rounds = hf_spec.rounds.accept_draft_tokens, []
+
+    def against_the_draft(draft_ids, draft_probs, target_probs, generator=None):
+        chain_rounds.append(draft_ids.shape[1])
+        laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)  # p := q where drafted
+        return original(draft_ids, draft_probs, laws, generator)
+
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", against_the_draft)
+    make_assistant, settings, _ = TREE_CASES["auto_budget"]
+    samples = _sample_trees(small_target, make_assistant(small_draft), settings, seed=11,
+                            num_tree_nodes=_auto_tree_size())
+    result = fit_sequences(samples, exact_law(small_target, _settings(settings), PROMPT, NUM_TOKENS, []))
+    print("negative control, an auto tree's chain rounds accepted against the draft:", result, len(chain_rounds))
+    assert any(chain_rounds) and not result.is_consistent, result
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
