@@ -11,8 +11,9 @@ shape is a strategy object, chosen once per call (`hf_spec.plan`):
   attention mask; `hf_spec.rejection.accept_tree` walks one path down; the caches keep the committed prefix and the
   accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed. A round whose tree the
   sizer chose as a chain (or as nothing) runs as a chain round instead: the same tokens and laws, but causal passes
-  with no tree mask and one processor pass over the block. As a tree it cost 5% more a round (AMX, edit requests,
-  greedy: the auto tree, which drafts 10-node chains there, ran 0.95x auto k).
+  with no tree mask and one processor pass over the block; so is a drafted tree that came out a chain (sampled, where
+  the draft's nucleus holds one token), from its verify pass on. As trees they cost 3-5% more a round (AMX, edit
+  requests: the auto tree, which drafts 10-node chains there, ran 0.95x auto k).
 
 Why trees are for one row: each row would need its own tree, 4D mask and gathered path, and the suffix and
 branching drafters grow one row's tree from host-side candidates. The loop's holes (`hf_spec.rows`) would carry the
@@ -189,7 +190,14 @@ class TreeRounds(Rounds):
         choice = self.sizer.choose_tree(tokens_left, self.drafter.growth)
         if choice.num_nodes == 0 or choice.max_depth == 0 or choice.branching == 1:  # a chain, or a plain step
             return self.drafter.propose(batch, min(choice.num_nodes, choice.max_depth), context)
-        return self.drafter.propose_tree(batch, choice.num_nodes, choice.max_depth, context, choice.branching)
+        tree = self.drafter.propose_tree(batch, choice.num_nodes, choice.max_depth, context, choice.branching)
+        if not is_chain(tree.parents):
+            return tree
+        # Every node is its parent's only child (sampled, the draft's nucleus often holds one token; a suffix match
+        # with one continuation): verified as the chain it is. The drafter keeps its state for the whole chain, as
+        # after a chain round; the loop's rollback drops what the target rejects.
+        self.drafter.keep_path(list(range(tree.num_nodes)))
+        return chain_proposal(tree)
 
     def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch, draft: DraftTree | Proposal,
                logits_processor: LogitsProcessorList) -> Verified:
@@ -246,6 +254,19 @@ class TreeRounds(Rounds):
             self.drafter.observe(verified.features[fed][None], start=num_committed - num_missing)
         keep_tree_path(target_cache, num_committed, path)
         self.drafter.keep_path(path)
+
+
+def is_chain(parents: list[int]) -> bool:
+    """Whether a tree is a chain: node i's parent is node i - 1 (the root's child first)."""
+    return parents == list(range(-1, len(parents) - 1))
+
+
+def chain_proposal(tree: DraftTree) -> Proposal:
+    """A tree whose every node is its parent's only child, as the chain proposal it is: node i's stored law is the
+    law it was drawn from, which is all the chain's rule needs (with one child per node, `accept_tree` is the chain's
+    rule)."""
+    return Proposal(tree.token_ids[None], None if tree.draft_probs is None else tree.draft_probs[None],
+                    tree.is_invalid, tree.num_model_steps, tree.num_catch_up_tokens)
 
 
 def chain_tree(proposal: Proposal) -> DraftTree:

@@ -197,24 +197,74 @@ def test_negative_control_children_without_replacement_reported_as_iid(small_tar
     assert not result.is_consistent, result
 
 
-def test_negative_control_an_auto_trees_chain_rounds_accepted_against_the_draft(small_target, small_draft,
-                                                                               monkeypatch):
-    """The auto tree's chains run as chain rounds (`hf_spec.rounds.TreeRounds.chain`), and the ``auto_budget`` case
-    sees them: verifying their drafts against the draft's own law instead of the target's must fail it."""
+def _accept_chains_against_the_draft(monkeypatch) -> list[int]:
+    """From now on, chain rounds are verified against the draft's own law (p := q where drafted): a broken rule
+    that only a test seeing chain rounds can catch. Returns the drafted lengths of the chain rounds, as they run."""
     original, chain_rounds = hf_spec.rounds.accept_draft_tokens, []
 
     def against_the_draft(draft_ids, draft_probs, target_probs, generator=None):
         chain_rounds.append(draft_ids.shape[1])
-        laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)  # p := q where drafted
+        laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)
         return original(draft_ids, draft_probs, laws, generator)
 
     monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", against_the_draft)
+    return chain_rounds
+
+
+def test_negative_control_an_auto_trees_chain_rounds_accepted_against_the_draft(small_target, small_draft,
+                                                                               monkeypatch):
+    """The auto tree's chains run as chain rounds (`hf_spec.rounds.TreeRounds.chain`), and the ``auto_budget`` case
+    sees them: verifying their drafts against the draft's own law instead of the target's must fail it."""
+    chain_rounds = _accept_chains_against_the_draft(monkeypatch)
     make_assistant, settings, _ = TREE_CASES["auto_budget"]
     samples = _sample_trees(small_target, make_assistant(small_draft), settings, seed=11,
                             num_tree_nodes=_auto_tree_size())
     result = fit_sequences(samples, exact_law(small_target, _settings(settings), PROMPT, NUM_TOKENS, []))
     print("negative control, an auto tree's chain rounds accepted against the draft:", result, len(chain_rounds))
     assert any(chain_rounds) and not result.is_consistent, result
+
+
+CHAIN_CASES = {  # (settings, nodes): trees that come out chains
+    "nucleus": ({"temperature": 0.7, "top_p": 0.5}, 6),  # one-token nuclei (point masses), mixed with trees
+    "one_node": ({"temperature": 0.8}, 1),  # one node, drawn from the draft's whole law
+}
+
+
+def _sample_chain_trees(target, draft, case: str, seed: int, monkeypatch) -> tuple[np.ndarray, int]:
+    """Fixed trees of a `CHAIN_CASES` case, and how many of their rounds were verified as chains."""
+    settings, num_nodes = CHAIN_CASES[case]
+    chains, as_chain = [], hf_spec.rounds.chain_proposal
+
+    def counted(tree: DraftTree):
+        chains.append(tree.num_nodes)
+        return as_chain(tree)
+
+    monkeypatch.setattr(hf_spec.rounds, "chain_proposal", counted)
+    samples = _sample_trees(target, draft, settings, seed=seed, num_tree_nodes=num_nodes)
+    return samples, sum(1 for n in chains if n)
+
+
+@pytest.mark.parametrize("case", list(CHAIN_CASES))
+def test_trees_that_come_out_chains_are_verified_as_chains_and_sample_the_target_law(small_target, small_draft, case,
+                                                                                   monkeypatch):
+    samples, num_chains = _sample_chain_trees(small_target, small_draft, case, 21, monkeypatch)
+    result = fit_sequences(samples, exact_law(small_target, _settings(CHAIN_CASES[case][0]), PROMPT, NUM_TOKENS, []))
+    print(case, "trees verified as chains:", num_chains, result)
+    assert num_chains >= GENERATE_SAMPLES // 4 and result.is_consistent, (num_chains, result)
+
+
+def test_negative_control_trees_verified_as_chains_accepted_against_the_draft(small_target, small_draft,
+                                                                             monkeypatch):
+    """The ``one_node`` case sees the trees it verifies as chains: accepting them against the draft's own law must
+    fail it. (Two would-be controls pass, as they should: the chain rule is exact for any token chosen independently
+    of the target and reported with the law it was drawn from, so neither a tree's siblings verified as successive
+    tokens, in draw order, nor a chain's tokens reported as point masses, changes the output law.)"""
+    chain_rounds = _accept_chains_against_the_draft(monkeypatch)
+    samples, num_chains = _sample_chain_trees(small_target, small_draft, "one_node", 22, monkeypatch)
+    result = fit_sequences(samples, exact_law(small_target, _settings(CHAIN_CASES["one_node"][0]), PROMPT,
+                                              NUM_TOKENS, []))
+    print("negative control, trees verified as chains accepted against the draft:", num_chains, result)
+    assert num_chains and len(chain_rounds) >= num_chains and not result.is_consistent, (num_chains, result)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
