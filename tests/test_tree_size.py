@@ -20,7 +20,7 @@ from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.speedup import expected_tokens
 from hf_spec.drafting.base import Proposal
 from hf_spec.drafting.tree import DraftTree
-from hf_spec.drafting.tree_size import AutoTreeSize, catch_up_chances, grow_values, rank_outcomes
+from hf_spec.drafting.tree_size import AutoTreeSize, catch_up_chances, grow_values, missing_children, rank_outcomes
 from hf_spec.heads import DraftHead
 from hf_spec.plan import start_sizer
 from hf_spec.rounds import TreeRounds
@@ -114,6 +114,36 @@ def simulate(chooser: AutoTreeSize, a, g, c, block, rounds: int, seed: int) -> l
 GROWTH = (3, 2)  # the synthetic drafter: 3 children per node, the 2 best nodes of a level expanded
 CHEAP_BLOCKS = {"a": 0.55, "g": 0.45, "c": 0.03, "block": lambda n: 1.0 + 0.01 * (n - 1)}
 EXPENSIVE_BLOCKS = {"a": 0.8, "g": 0.4, "c": 0.1, "block": lambda n: 1.0 + 0.7 * (n - 1)}  # b >= 2 from 3 tokens
+
+
+def test_missing_children_are_the_ones_a_node_with_children_did_not_get():
+    assert missing_children([-1, 0, 1, 2], branching=2) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # a chain
+    assert missing_children([-1, -1, 0, 0, 2], branching=2) == [(2, 1)]  # node 2 (depth 2) got one child of two
+    assert missing_children([-1, -1, 0], branching=3) == [(0, 2), (1, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_children_the_draft_could_not_draw_count_as_rejections(counted, monkeypatch):
+    """Sampled, a draft whose nucleus holds one token gives each node one child: trees asked for with two children
+    per node come out chains, short of their budget. Those missing children add nothing, so the sizer must stop
+    pricing them (and draft chains, which skip the tree path); the control, with them not counted, keeps the prior
+    for second children and keeps asking for trees."""
+    if not counted:
+        monkeypatch.setattr(hf_spec.drafting.tree_size, "missing_children", lambda parents, branching: [])
+    sizer = AutoTreeSize()
+    blocks = {n: 1.0 + 0.0002 * n for n in (1, 2, 4, 8, 16, 33)}  # flat: a sibling's value need only be tiny
+    sizer.start_from(CostTable(1.0, 0.45, blocks, {1: 0.45, 2: 0.47}))
+    for _ in range(12):
+        choice = sizer.choose_tree(100, (2, 1))
+        n = choice.num_nodes if choice.branching == 1 else min(choice.num_nodes, choice.max_depth)
+        chain = DraftTree(torch.zeros(n, dtype=torch.long), list(range(-1, n - 1)), None,
+                          torch.zeros(2, dtype=torch.bool), n)
+        sizer.update_tree(chain, list(range(n)), 0.45 * n, sizer.block_seconds(n + 1))  # every node accepted
+    second = [row[1] for row in sizer.tree_acceptance(2)]
+    if counted:
+        assert max(second) < 0.1 and list(sizer.chosen_branching)[-3:] == [1, 1, 1], (second, sizer.chosen_branching)
+    else:
+        assert min(second) == pytest.approx(0.2) and 2 in list(sizer.chosen_branching)[-3:], sizer.chosen_branching
 
 
 @pytest.mark.parametrize("pair", [CHEAP_BLOCKS, EXPENSIVE_BLOCKS], ids=["cheap_blocks", "expensive_blocks"])

@@ -22,7 +22,10 @@ the N in 0 .. ``max_nodes`` and the branching (the drafter's, or 1: a chain) wit
 Where blocks are expensive it thus drafts a chain, or nothing. Auto k's two rules for thin evidence hold here too:
 where no tree pays but one token would at `HOPE_ERRORS` standard errors above the first depth's estimate, one token;
 where the best tree is D deep and a tree D + 1 deep would pay at `REACH_ERRORS` standard errors above the estimate
-at depth D (never observed while trees stop at D), the deeper tree.
+at depth D (never observed while trees stop at D), the deeper tree. A child the drafter could not draw (a tree
+short of its budget: sampled, the draft's nucleus held one token where two children were asked for) counts as a
+rejection at its rank, since it adds nothing: without it, the sizer kept pricing siblings that never came (sampled
+edit requests: trees of 19 nodes that came out 10-node chains, and a slower climb than auto k).
 """
 
 from __future__ import annotations
@@ -133,6 +136,17 @@ def catch_up_chances(values: list[float], parents: list[int]) -> list[float]:
         childless += value
         chances.append(childless)
     return chances
+
+
+def missing_children(parents: list[int], branching: int) -> list[tuple[int, int]]:
+    """``(depth, rank)`` of every child up to ``branching`` that a node with children (or the root) did not get;
+    depth 0 is the root's children. Where a tree stopped short of its budget, these are children the drafter could
+    not draw (sampled, the draft's nucleus held fewer tokens than ``branching``): their value is 0."""
+    below, counts = [], collections.Counter(parents)  # below[i]: the depth index of node i's children
+    for parent in parents:
+        below.append(1 if parent < 0 else below[parent] + 1)
+    return [(0 if parent < 0 else below[parent], rank)
+            for parent, count in counts.items() for rank in range(count, branching)]
 
 
 def rank_outcomes(parents: list[int], path: list[int]) -> list[tuple[int, int, bool]]:
@@ -260,6 +274,11 @@ class AutoTreeSize(OnlineSizer):
                 reached = max(reached, depth + 1)
         if tree.num_nodes > 0:
             self.first.forget_unreached(reached)
+        budget, branching = (self.chosen[-1], self.chosen_branching[-1]) if self.chosen_branching else (0, 1)
+        if 0 < tree.num_nodes < budget:  # short of the budget: the children it lacks could not be drawn
+            for depth, rank in missing_children(tree.parents, branching):
+                if depth < self.max_depth and rank < MAX_RANKS:
+                    self.later[rank - 1].add(depth, False)
         is_tree = len(set(tree.parents)) < tree.num_nodes  # some node has a sibling
         self._learn_round(tree.num_nodes + 1, self.tree_step if is_tree else self.costs.draft_step, draft_seconds,
                           tree.num_model_steps, verify_seconds, 1.0 + len(path),
