@@ -10,6 +10,20 @@ a round that verified a tree of drafts: there every node's entries were cached, 
 committed prefix and the accepted path's entries (gathered, never recomputed) before the usual crop. A cache whose
 layers cannot be cropped back exactly is refused before any forward pass.
 
+Rows and columns. A batch's caches are one rectangle whose columns are cache positions (`hf_spec.rows`); a row that
+accepted fewer drafts than another has masked holes there. Two kinds of layer cannot hold holes as they are:
+
+- A sliding-window layer (Mistral, Gemma 2/3, Phi-3, GPT-OSS...) keeps its last ``window - 1`` columns, and its mask
+  admits the keys less than ``window`` columns before a query, holes included: a row with holes there would see fewer
+  of its own tokens than target-only decoding gives it. So after every round each row's holes in its last columns
+  are moved to the left of them (`move_columns`), in every cache of the call, before the rollback crops them back to
+  their window. Positions follow the attention mask, so no token's position, key or value changes.
+- A recurrent or linear-attention layer (Mamba, Jamba, Qwen3-Next...) holds a state that a hole (a masked token)
+  would still change. Its rollback restores the state recorded after each token of the last pass (transformers'
+  recurrent-state recording, `activate_past_recording(recurrent_states_to_keep=...)`), the same count for every
+  row; so no round of such a call may leave holes (`ColumnRules.allows_holes`: every row keeps as many drafts as the
+  row that accepted fewest, `hf_spec.rows.RaggedBatch.usable_counts`).
+
 Two kinds of cache keep the invariant: transformers' ``DynamicCache`` (its tensors grow and are cut), and its
 ``StaticCache`` (``cache_implementation="static"``: tensors of ``max_cache_len`` positions allocated once, for
 ``torch.compile``), where a crop moves the write position back and the rejected positions' stale entries stay in
@@ -20,19 +34,51 @@ static cache's forward passes take the 2D attention mask padded to ``max_cache_l
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticLayer,
+)
+
+from hf_spec.compat import records_recurrent_states
+
+#: The widest pass a draft model's cache must be able to roll back by default: a step, or a 2-token catch-up.
+DRAFT_PASS_TOKENS = 2
 
 
-def new_cache(model: PreTrainedModel, static_length: int | None = None) -> DynamicCache | StaticCache:
+@dataclasses.dataclass(frozen=True)
+class ColumnRules:
+    """What a call's caches ask of the batch's columns (the module docstring)."""
+
+    window: int | None = None  # the longest sliding window: each row's last `window` columns must be its own tokens
+    allows_holes: bool = True  # False with recurrent states: every row keeps the same number of tokens a round
+
+    def __or__(self, other: ColumnRules) -> ColumnRules:
+        windows = [w for w in (self.window, other.window) if w is not None]
+        return ColumnRules(max(windows, default=None), self.allows_holes and other.allows_holes)
+
+
+def new_cache(model: PreTrainedModel, static_length: int | None = None,
+              max_pass: int = DRAFT_PASS_TOKENS) -> DynamicCache | StaticCache:
     """A fresh, rollback-ready cache for ``model`` (the draft's; generate() makes the target's): dynamic, or static
-    with ``static_length`` positions."""
+    with ``static_length`` positions; ``max_pass``: the most tokens a pass after the first feeds (what a rollback may
+    drop)."""
     config = model.config.get_text_config(decoder=True)
     cache = (DynamicCache(config=config) if static_length is None
              else StaticCache(config=config, max_cache_len=static_length))
-    prepare_for_rollback(cache, "assistant_model")
+    prepare_for_rollback(cache, "assistant_model", max_pass, model_type(model))
     return cache
+
+
+def model_type(model: PreTrainedModel) -> str:
+    """The model's ``model_type`` (``"mamba"``, ``"mistral"``...) and class, for error messages."""
+    return f"{model.config.model_type!r} ({type(model).__name__})"
 
 
 def static_length(cache: Cache | None) -> int | None:
@@ -40,27 +86,86 @@ def static_length(cache: Cache | None) -> int | None:
     return cache.layers[0].max_cache_len if isinstance(cache, StaticCache) else None
 
 
-def prepare_for_rollback(cache: Cache | None, argument: str) -> None:
-    """Refuse a cache that cannot be cropped back exactly; make sliding-window layers keep what a rollback needs.
+def prepare_for_rollback(cache: Cache | None, argument: str, max_pass: int, model: str = "") -> None:
+    """Refuse a cache that cannot be rolled back exactly; make the others keep what a rollback needs.
+
+    Sliding-window layers keep their columns past the window until the next crop, and recurrent layers the state
+    after each of the last ``max_pass`` tokens of a pass (transformers' past recording), so that the rollback can
+    drop the rejected drafts of a pass of up to ``max_pass`` tokens.
 
     Args:
         cache: the cache a model will use.
         argument: the name the user knows this cache by, for the error message.
+        max_pass: the most tokens a forward pass after the first feeds.
+        model: the model's type, for the error message (`model_type`).
     """
-    is_static = (isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)
+    layers = getattr(cache, "layers", [])
+    layer_types = sorted({type(layer).__name__ for layer in layers})
+    is_static = (isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in layers)
                  and not cache.offloading)
-    if not is_static and (not isinstance(cache, DynamicCache) or not cache.is_croppable):
-        layer_types = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
+    has_recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+    if has_recurrent and not records_recurrent_states():
         raise ValueError(
-            f"Speculative decoding rolls caches back with `crop`, but `{argument}` uses {type(cache).__name__} "
-            f"(layers: {', '.join(layer_types) or 'none'}), which cannot be cropped back exactly. Use the default "
-            "dynamic cache or `cache_implementation='static'` (quantized, offloaded and sliding-window static "
-            "caches are refused), and do not pass a `cache=` of another type."
+            f"The model {model or ''} keeps recurrent (state-space or linear-attention) states in `{argument}` "
+            f"(layers: {', '.join(layer_types)}). Rolling them back to the accepted drafts needs the state after every "
+            "token of a pass, which transformers records from version 5.25 on; upgrade transformers "
+            "(`pip install -U transformers`) to speculate with this model."
         )
-    if not is_static:
+    if not is_static and (not isinstance(cache, DynamicCache) or not cache.is_croppable):
+        raise ValueError(
+            f"Speculative decoding rolls caches back with `crop`, but `{argument}` of the model {model} uses "
+            f"{type(cache).__name__} (layers: {', '.join(layer_types) or 'none'}), which cannot be cropped back "
+            "exactly. Use the default dynamic cache or `cache_implementation='static'` (quantized, offloaded and "
+            "sliding-window static caches are refused), and do not pass a `cache=` of another type."
+        )
+    if is_static:
+        return
+    if has_recurrent:
+        cache.activate_past_recording(recurrent_states_to_keep=max_pass)
+    else:
         cache.activate_past_recording()
 
 
+def column_rules(cache: Cache | None) -> ColumnRules:
+    """What ``cache``'s layers ask of the batch's columns (the module docstring)."""
+    layers = getattr(cache, "layers", [])
+    windows = [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    has_recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+    return ColumnRules(max(windows, default=None), not has_recurrent)
+
+
+def attends(cache: Cache) -> bool:
+    """Whether any layer of ``cache`` attends over its positions (keys and values); a recurrent-only cache (Mamba's)
+    does not, and its model reads the attention mask of the tokens fed only (transformers feeds it none when
+    decoding)."""
+    return not cache.layers or any(isinstance(layer, CacheLayerMixin) for layer in cache.layers)
+
+
+def move_columns(cache: Cache, first: int, order: torch.Tensor) -> None:
+    """Rearrange each row's columns ``first ..``: row b's column ``first + j`` takes its column ``first + order[b, j]``
+    (``order`` ``[rows, n]``, each row a permutation of ``0 .. n - 1``).
+
+    A layer that holds only its last columns (a sliding window's) rearranges those; a column whose source it does
+    not hold keeps its entry: `hf_spec.rows` only moves holes to the left of a row's last ``window`` columns, so a
+    source before the layer's first entry feeds a column before the window, which the next crop drops, and a source
+    past its last (a draft's cache one column short) is a hole, masked wherever it lands.
+    """
+    for layer in cache.layers:
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        held = layer.keys.shape[-2]
+        start = 0 if isinstance(layer, StaticLayer) else int(layer.get_seq_length()) - held  # column of entry 0
+        low, high = max(first, start), min(first + order.shape[1], start + held)
+        if low >= high:
+            continue
+        device = layer.keys.device
+        targets = torch.arange(low, high, device=device)  # [m] columns written
+        sources = first + order[:, low - first: high - first].to(device)  # [rows, m]
+        sources = torch.where((sources >= start) & (sources < start + held), sources, targets) - start  # [rows, m]
+        for name in ("keys", "values"):
+            states = getattr(layer, name)  # [rows, heads, held, head_dim]
+            index = sources[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+            states[:, :, low - start: high - start] = states.gather(2, index)
 def cache_length(cache: Cache) -> int:
     """Number of positions the cache holds (a static cache's write position)."""
     return int(cache.get_seq_length())
@@ -71,14 +176,17 @@ def crop_to(cache: Cache, length: int) -> None:
 
     ``crop`` is called even when nothing is dropped: sliding-window layers use it to shrink back to their window.
     """
-    cache.crop(min(0, length - cache_length(cache)))
+    held = cache_length(cache)
+    if held > 0:  # an empty cache has nothing to drop (and transformers' sliding layers cannot crop before a pass)
+        cache.crop(min(0, length - held))
 
 
 def select_rows(cache: Cache, rows: torch.Tensor) -> None:
     """Keep only ``rows`` ``[kept]`` (batch indices) of the cache: finished rows leave it (a static cache's tensors
     are reallocated for the smaller batch: a compiled pass then compiles for the new batch size, once)."""
     if not isinstance(cache, StaticCache):
-        cache.batch_select_indices(rows)
+        for layer in cache.layers:  # `reorder_cache` selects every state a layer holds (keys, conv, recurrent)
+            layer.reorder_cache(rows)
         return
     for layer in cache.layers:
         if layer.is_initialized:
@@ -103,6 +211,12 @@ def fit_prompt(cache: Cache, prompt_length: int) -> None:
             "transformers expects."
         )
     if length == prompt_length:
+        if not column_rules(cache).allows_holes:
+            raise ValueError(
+                f"`cache` holds all {length} tokens of `input_ids`, but it keeps recurrent states, which cannot give "
+                "back the last token the first pass must feed again; pass a cache that holds fewer tokens than "
+                "`input_ids` (the cache returned by a previous speculative call does)."
+            )
         crop_to(cache, prompt_length - 1)
 
 

@@ -11,8 +11,11 @@ exception by construction: `hf_spec.mixin` overrides the two private `Generation
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GENERATION_MODES_MAPPING
@@ -21,10 +24,12 @@ from logits_processors.compat import num_beams, prefix_allowed_tokens, prepare_s
 
 __all__ = [
     "OVERRIDDEN_METHODS",
+    "TESTED_TRANSFORMERS",
     "attention_implementation",
     "check_generation_hooks",
     "decoding_chain",
     "drop_gguf_quantizer",
+    "ignores_recurrent_recording",
     "is_rewired_by_universal_assisted_generation",
     "merged_generation_config",
     "modules_kept_in_full_precision",
@@ -32,7 +37,26 @@ __all__ = [
     "pad_token_tensor",
     "prefix_allowed_tokens",
     "prepare_sequence_bias",
+    "records_recurrent_states",
 ]
+
+#: The oldest and the newest transformers minor releases hf_spec is tested with (CI runs the whole suite on the newest
+#: and the exactness and greedy core on the oldest); ``setup.cfg`` requires the oldest and caps nothing.
+TESTED_TRANSFORMERS = ("5.24", "5.25")
+
+
+def warn_if_untested(version: str = transformers.__version__) -> str | None:
+    """Warn once (at import) when the installed transformers is newer than the newest tested minor release; returns
+    the message. A changed private hook still fails loudly (`check_generation_hooks`)."""
+    minor = Version(version).release[:2]
+    if minor <= Version(TESTED_TRANSFORMERS[1]).release[:2]:
+        return None
+    message = (f"hf_spec is tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1]}, and "
+               f"{version} is newer; it checks the hooks it relies on at import, and `python -m pytest` in its "
+               "repository runs its exactness tests on your versions.")
+    warnings.warn(message, stacklevel=2)
+    return message
+
 
 #: The private `GenerationMixin` methods `hf_spec.mixin.SpeculativeGenerationMixin` overrides, with the parameters
 #: it relies on.
@@ -118,3 +142,26 @@ def attention_implementation(model: PreTrainedModel) -> str:
     """The attention kernel the model runs ("sdpa", "eager", "flash_attention_2", ...): the private
     ``config._attn_implementation``, which decides the form a custom 4D attention mask must take."""
     return str(model.config.get_text_config()._attn_implementation or "eager")
+
+
+def records_recurrent_states() -> bool:
+    """Whether transformers' caches record a recurrent layer's state after each token of a pass, so that ``crop``
+    rolls it back (transformers 5.25 on): ``LinearAttentionCacheLayerMixin.activate_past_recording`` takes
+    ``recurrent_states_to_keep``."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    parameters = inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    return "recurrent_states_to_keep" in parameters
+
+
+def ignores_recurrent_recording(model: PreTrainedModel) -> bool:
+    """Whether the model's recurrent layers update their state without honouring transformers' recurrent-state
+    recording: its modeling module calls ``update_recurrent_state`` but never reads ``get_recurrent_states_to_keep``
+    (the hook through which a pass hands the cache the state after each token). Read from the module's source,
+    since the layers only show what they record after a pass."""
+    module = inspect.getmodule(type(model))  # hf_spec's speculative subclass keeps the class's module
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+    return "update_recurrent_state" in source and "get_recurrent_states_to_keep" not in source

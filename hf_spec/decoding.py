@@ -23,13 +23,13 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.caches import crop_to, select_rows
+from hf_spec.caches import crop_to, move_columns, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter
-from hf_spec.forward import has_invalid_values
+from hf_spec.forward import has_invalid_values, model_column_rules
 from hf_spec.profiling import RoundClock, profiled_call
 from hf_spec.recording import OutputRecorder, RoundTimer
 from hf_spec.rounds import Rounds
-from hf_spec.rows import RaggedBatch
+from hf_spec.rows import RaggedBatch, Rollback
 from hf_spec.stats import SpeculativeStats
 
 
@@ -77,7 +77,8 @@ def speculative_decode(
     recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
     context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
                            generation_config.do_sample, generator, rounds.stop_below)
-    batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id)
+    rules = model_column_rules(target, target_cache) | rounds.drafter.column_rules()  # windows, recurrent states
+    batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id, rules)
     with _exclusive(rounds.drafter), profiled_call(target, input_ids.device) as profile:  # one call per drafter
         rounds.start(batch, target_cache)
         try:
@@ -95,10 +96,12 @@ def speculative_decode(
                 #    the hidden states a draft head reads).
                 verified = rounds.verify(target, target_cache, batch, draft, logits_processor)
 
-                # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token.
+                # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token (with recurrent
+                #    states, every row keeps as many drafts as the row that accepted fewest: `hf_spec.rows`).
                 accepted = rounds.accept(draft, verified, context)
                 clock.mark("processors and acceptance")
-                num_accepted = read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores)
+                num_accepted = batch.usable_counts(
+                    read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores))
                 timer.mark_verified()
                 clock.mark("host sync")
 
@@ -115,14 +118,14 @@ def speculative_decode(
                 # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the
                 #    model view's columns but its last; finished rows leave.
                 rounds.keep(target_cache, draft, verified, accepted)
-                staying, num_cached = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
-                roll_back(target_cache, rounds.drafter, num_cached, staying)
+                rollback = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
+                roll_back(target_cache, rounds.drafter, rollback)
                 stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
                 clock.mark("bookkeeping")
         finally:
             # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
             # tree's nodes sit after the committed positions, so the crop drops them too).
-            roll_back(target_cache, rounds.drafter, batch.model_ids.shape[1] - 1, None)
+            roll_back(target_cache, rounds.drafter, Rollback(batch.model_ids.shape[1] - 1, None))
 
     if profile is not None:
         stats.profile, stats.profile_passes = profile.seconds, profile.passes
@@ -174,10 +177,14 @@ def read_accepted(num_accepted: torch.Tensor, is_draft_invalid: torch.Tensor, bl
     return counts
 
 
-def roll_back(target_cache, drafter: Drafter, num_cached: int, staying_rows: torch.Tensor | None) -> None:
-    """Restore the cache invariant: at most ``num_cached`` positions (the model view but its last column), and only
-    ``staying_rows`` (indices into the rows the caches held) when given; the drafter follows."""
-    if staying_rows is not None:
-        select_rows(target_cache, staying_rows)
-    crop_to(target_cache, num_cached)
-    drafter.roll_back(num_cached, staying_rows)
+def roll_back(target_cache, drafter: Drafter, rollback: Rollback) -> None:
+    """Restore the cache invariant: the rows' moved columns (`hf_spec.rows`), at most ``num_cached`` positions (the
+    model view but its last column), then only ``staying_rows`` (indices into the rows the caches held) when given;
+    the drafter follows. The crop comes before the rows leave: a recurrent layer's recorded states hold every row."""
+    if rollback.moved is not None:
+        move_columns(target_cache, *rollback.moved)
+        drafter.move_columns(*rollback.moved)
+    crop_to(target_cache, rollback.num_cached)
+    if rollback.staying_rows is not None:
+        select_rows(target_cache, rollback.staying_rows)
+    drafter.roll_back(rollback.num_cached, rollback.staying_rows)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from hf_spec.caches import cache_length, crop_to, static_length
+from hf_spec.caches import ColumnRules, attends, cache_length, column_rules, crop_to, static_length
 from hf_spec.compat import attention_implementation
 from hf_spec.compiled import active_forward, pad_inputs, padded_width, run_post_hooks, run_pre_hooks, strip_padding
 from hf_spec.profiling import timed_forward
@@ -77,13 +77,15 @@ def _missing_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, a
         position_ids = torch.arange(num_cached, sequence_ids.shape[1], device=sequence_ids.device).unsqueeze(0)
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min_(0)[:, num_cached:]
-    inputs = {"input_ids": sequence_ids[:, num_cached:], "position_ids": position_ids, "cache": cache}
+    inputs = {"input_ids": sequence_ids[:, num_cached:], "cache": cache}
+    if _takes_position_ids(type(model)):  # a model without them places tokens by cache position (no holes then)
+        inputs["position_ids"] = position_ids
     length = static_length(cache)
     if length is not None:  # a static cache attends over all its positions: the mask has as many, 0 past the fed
         mask = torch.ones_like(sequence_ids) if attention_mask is None else attention_mask
         inputs["attention_mask"] = F.pad(mask, (0, length - mask.shape[1]))
     elif attention_mask is not None:
-        inputs["attention_mask"] = attention_mask
+        inputs["attention_mask"] = attention_mask if attends(cache) else attention_mask[:, num_cached:]
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
     return inputs
@@ -171,6 +173,22 @@ def tree_attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.
             ~visible, torch.finfo(model.dtype).min)
         return additive[None, None] if visible.dim() == 2 else additive[:, None]
     return visible[None, None] if visible.dim() == 2 else visible[:, None]
+
+
+def model_column_rules(model: PreTrainedModel, cache) -> ColumnRules:
+    """What a model and its cache ask of a batch's columns (`hf_spec.caches.ColumnRules`): its cache's windows and
+    recurrent states, and no holes where the model reads a token's cache position rather than its position id: a
+    forward that takes no position ids (BART-family decoders, MPT's ALiBi), and chunked attention (Llama 4), whose
+    chunks are runs of cache positions; a hole would shift every later token there."""
+    config = model.config.get_text_config(decoder=True)
+    is_chunked = ("chunked_attention" in (getattr(config, "layer_types", None) or ())
+                  or getattr(config, "attention_chunk_size", None) is not None)
+    return column_rules(cache) | ColumnRules(allows_holes=_takes_position_ids(type(model)) and not is_chunked)
+
+
+@functools.cache
+def _takes_position_ids(model_class: type) -> bool:
+    return "position_ids" in inspect.signature(model_class.forward).parameters
 
 
 @functools.cache

@@ -34,12 +34,19 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_spec.caches import cache_length, fit_prompt, new_cache, prepare_for_rollback, static_length
-from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor
+from hf_spec.caches import cache_length, fit_prompt, model_type, new_cache, prepare_for_rollback, static_length
+from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor, warn_if_untested
 from hf_spec.compiled import compiling
 from hf_spec.decoding import speculative_decode
-from hf_spec.plan import (CallOptions, check_tree_nodes, plan_call, start_sizer, static_cache_length, static_cache_size,
-                          user_settings)
+from hf_spec.plan import (
+    CallOptions,
+    check_tree_nodes,
+    plan_call,
+    start_sizer,
+    static_cache_length,
+    static_cache_size,
+    user_settings,
+)
 from hf_spec.rounds import Rounds
 from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
@@ -54,8 +61,10 @@ from logits_processors import check_processors
 
 logger = logging.getLogger(__name__)
 
-# The hooks this module overrides; fail at import rather than silently run transformers' non-exact loop.
+# The hooks this module overrides; fail at import rather than silently run transformers' non-exact loop. A transformers
+# newer than the tested range gets one warning.
 check_generation_hooks()
+warn_if_untested()
 
 
 @dataclasses.dataclass
@@ -194,8 +203,12 @@ class SpeculativeGenerationMixin(GenerationMixin):
         validate_generator(_current_call().options.generator, self)
         rounds.drafter.check(self, generation_config.max_length)
         check_processors(logits_processor)
-        target_cache = model_kwargs["cache"]
-        prepare_for_rollback(target_cache, "cache")
+        target_cache = model_kwargs.get("cache")
+        if target_cache is None:
+            raise ValueError(f"The model {model_type(self)} made no cache for generate() to hand over (it builds a "
+                             "cache of its own inside its forward pass), and speculative decoding rolls the cache back "
+                             "after every round; hf_spec cannot speculate with this model.")
+        prepare_for_rollback(target_cache, "cache", rounds.max_drafted + 1, model_type(self))
         target_cache = self._sized_static_cache(target_cache, input_ids, generation_config, rounds)
         fit_prompt(target_cache, input_ids.shape[1])
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])

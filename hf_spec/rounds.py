@@ -66,7 +66,7 @@ class Rounds(abc.ABC):
     drafter: Drafter
     sizer: object  # chooses each round's size and learns from it (`hf_spec.drafting.draft_length`, `tree_size`)
     stop_below: float | None = None  # a chain's confidence threshold (`hf_spec.drafting.base.DraftContext`)
-    draft_cap: int | None = None  # with a static cache, the most tokens a round drafts (`start`)
+    draft_cap: int | None = None  # with a static cache or recurrent states, the most tokens a round drafts (`start`)
 
     @property
     def is_timed(self) -> bool:
@@ -78,8 +78,10 @@ class Rounds(abc.ABC):
         cache of the target's kind, dynamic or static)."""
         self.drafter.match_cache(static_length(target_cache))
         self.drafter.reset()
-        # a static cache holds what `max_drafted` allows (`hf_spec.plan.static_cache_length`): no round drafts more
-        self.draft_cap = None if static_length(target_cache) is None else self.max_drafted
+        # a static cache holds what `max_drafted` allows (`hf_spec.plan.static_cache_length`), and recurrent layers
+        # record the states of that many tokens a pass (`hf_spec.caches.prepare_for_rollback`): no round drafts more
+        is_bounded = static_length(target_cache) is not None or not batch.rules.allows_holes
+        self.draft_cap = self.max_drafted if is_bounded else None
 
     @property
     def max_drafted(self) -> int:

@@ -17,6 +17,13 @@ serves every row. The alternative, shifting each row's cache to re-align it, wou
 values every round. Rows that finish leave the rectangle (``DynamicCache.batch_select_indices``) and cost no further
 forward work; they keep their place in the processors' view (padded), so processors that hold per-row state (e.g.
 the repetition penalty's ``prompt_ignore_length``) always see the batch they were built for.
+
+Two kinds of cache layer constrain the holes (`hf_spec.caches.ColumnRules`): with a sliding window, each round moves
+a row's new holes to the left of its last ``window`` columns (`commit`), so that the window holds the row's own
+tokens as in target-only decoding; with recurrent states, no hole may be made at all, so every row keeps as many
+drafts as the row that accepted fewest (`usable_counts`). Any prefix of the acceptance rule's output has the target's
+law (each kept token is the rule's token at that position, which is distributed as p given the tokens before it),
+so keeping fewer tokens than the rule accepted stays exact; it only costs acceptance.
 """
 
 from __future__ import annotations
@@ -27,7 +34,17 @@ import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteriaList
 
+from hf_spec.caches import ColumnRules
 from logits_processors.chain import rows_by_length
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """What the caches do after a round (`hf_spec.decoding.roll_back`), in this order."""
+
+    num_cached: int  # 2. crop to this many columns: every model-view column but the last
+    staying_rows: torch.Tensor | None  # 3. keep these rows (indices into the rows the caches held); None: every row
+    moved: tuple[int, torch.Tensor] | None = None  # 1. (first, order [rows held, n]): `hf_spec.caches.move_columns`
 
 
 @dataclasses.dataclass
@@ -41,16 +58,18 @@ class RaggedBatch:
     model_ids: torch.Tensor  # [active, columns]: the last column is every active row's newest token
     model_mask: torch.Tensor | None  # [active, columns]; None only for one row without padding (no holes ever)
     pad_token_id: int
+    rules: ColumnRules = dataclasses.field(default_factory=ColumnRules)  # what the caches ask of the holes
 
     @classmethod
-    def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int) -> RaggedBatch:
+    def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int,
+              rules: ColumnRules | None = None) -> RaggedBatch:
         batch_size, prompt_length = input_ids.shape
         if attention_mask is None and batch_size > 1:
             attention_mask = torch.ones_like(input_ids)
         return cls(
             row_ids=input_ids, lengths=[prompt_length] * batch_size,
             active_rows=torch.arange(batch_size, device=input_ids.device), active_list=list(range(batch_size)),
-            model_ids=input_ids, model_mask=attention_mask, pad_token_id=pad_token_id,
+            model_ids=input_ids, model_mask=attention_mask, pad_token_id=pad_token_id, rules=rules or ColumnRules(),
         )
 
     @property
@@ -90,6 +109,13 @@ class RaggedBatch:
             lengths[self.active_rows] += num_new
         return row_ids, lengths
 
+    def usable_counts(self, num_accepted: list[int]) -> list[int]:
+        """The accepted drafts each active row keeps: all of them, or, where the caches cannot hold holes, as many as
+        the row that accepted fewest (the module docstring: exact)."""
+        if self.rules.allows_holes:
+            return num_accepted
+        return [min(num_accepted)] * len(num_accepted)
+
     def count_until_stop(
         self, stopping_criteria: StoppingCriteriaList, output_ids: torch.Tensor, num_candidates: list[int]
     ) -> tuple[list[int], list[bool]]:
@@ -124,7 +150,7 @@ class RaggedBatch:
 
     def commit(
         self, output_ids: torch.Tensor, num_accepted: list[int], num_kept: list[int], is_done: list[bool]
-    ) -> tuple[torch.Tensor | None, int]:
+    ) -> Rollback:
         """Append each active row's kept tokens to both views; drop rows that are done from the model view.
 
         Args:
@@ -134,9 +160,9 @@ class RaggedBatch:
             is_done: per active row, whether it has finished.
 
         Returns:
-            The active rows (indices into the previous active set) that stay in the caches, or ``None`` when all do
-            (or none); and the number of positions both caches must be cropped to: every model-view column but the
-            last.
+            What the caches do: the rows' columns that moved (with a sliding window), the number of positions to crop
+            them to (every model-view column but the last), and the active rows (indices into the previous active
+            set) that stay, ``None`` when all do (or none).
         """
         # 1. Processors' view: every row gets its kept tokens.
         new_lengths = list(self.lengths)
@@ -156,7 +182,8 @@ class RaggedBatch:
         if not staying:  # the last round: every row's kept tokens, holes after a row's last one
             self._append_columns(output_ids, num_kept, None)
             self.active_rows, self.active_list = self.active_rows[:0], []
-            return None, self.model_ids.shape[1] - 1
+            return Rollback(self.model_ids.shape[1] - 1, None)
+        num_held = self.num_active
         keep = None if len(staying) == self.num_active else torch.tensor(staying, device=output_ids.device)
         if keep is not None:
             output_ids, self.model_ids = output_ids[keep], self.model_ids[keep]
@@ -166,7 +193,30 @@ class RaggedBatch:
         accepted = [num_accepted[a] for a in staying]
         last = output_ids.gather(1, torch.tensor(accepted, device=output_ids.device)[:, None])  # [active, 1]
         self._append_columns(output_ids, accepted, last)
-        return keep, self.model_ids.shape[1] - 1
+        moved = None
+        if self.rules.window is not None and min(accepted) < max(accepted):  # new holes
+            moved = self._move_holes_left(self.rules.window + max(accepted), keep, num_held)
+        return Rollback(self.model_ids.shape[1] - 1, keep, moved)
+
+    def _move_holes_left(self, num_columns: int, keep: torch.Tensor | None,
+                         num_held: int) -> tuple[int, torch.Tensor]:
+        """Move each active row's holes among its last ``num_columns`` cached columns to their left, keeping the order
+        of its tokens (positions follow the mask: none changes); returns ``(first, order)`` for the caches, whose
+        rows are the ``num_held`` before ``keep`` (the rows that leave keep their columns).
+
+        With ``num_columns`` = window + the round's new columns, the region holds the row's previous ``window - 1``
+        columns (its own tokens, by this same move a round earlier) and every column this round added, so afterwards
+        the row's last ``window`` columns are its own last tokens, as the layers' masks and crops expect.
+        """
+        end = self.model_ids.shape[1] - 1  # the last column (every row's newest token) is not cached, never moved
+        first = max(0, end - num_columns)
+        order = torch.argsort(self.model_mask[:, first:end], dim=1, stable=True)  # [active, n]: holes first
+        self.model_ids[:, first:end] = self.model_ids[:, first:end].gather(1, order)
+        self.model_mask[:, first:end] = self.model_mask[:, first:end].gather(1, order)
+        if keep is not None:  # the caches still hold the rows that leave: they keep their columns
+            held = torch.arange(end - first, device=order.device).repeat(num_held, 1)  # [held, n]
+            order = held.index_copy_(0, keep, order)
+        return first, order
 
     def _append_columns(self, output_ids: torch.Tensor, counts: list[int], last: torch.Tensor | None) -> None:
         """Append ``counts[a]`` tokens of ``output_ids`` ``[active, k + 1]`` per row, holes up to the longest, then

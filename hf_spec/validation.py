@@ -9,10 +9,39 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_spec.compat import ignores_recurrent_recording, records_recurrent_states
 from hf_spec.settings import check_settings
 
 #: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
 SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
+#: Families whose forward pass breaks what a speculative loop relies on (found on tiny configs of every causal-LM
+#: family, `hf_spec.evaluation.zoo`), by ``model_type``: why none of them can be verified exactly.
+UNSUPPORTED_FAMILIES = {
+    "xlm": "its forward takes the whole sequence every pass and keeps a legacy cache of its own, not transformers' "
+           "cache of the tokens fed",
+    "cpmant": "it adds prompt positions of its own to the cache, so the cache does not hold one position per token",
+    "moshi": "its sliding-window attention gives a multi-token pass other logits than single steps in transformers "
+             "itself (by 0.2 on a tiny config), so no verify pass can reproduce step-by-step decoding",
+    "recurrent_gemma": "its recurrent blocks give a multi-token pass other logits than single steps in transformers "
+                       "itself (by 0.1 on a tiny config, with or without its window), so no verify pass can reproduce "
+                       "step-by-step decoding",
+}
+
+
+def refuse_unsupported_family(model: PreTrainedModel, argument: str) -> None:
+    """Refuse, by its ``model_type`` and the reason, a family in `UNSUPPORTED_FAMILIES`, and one whose recurrent
+    layers ignore transformers' recurrent-state recording (the rollback would restore a wrong state)."""
+    model_type = model.config.model_type
+    reason = UNSUPPORTED_FAMILIES.get(model_type)
+    if reason is None and ignores_recurrent_recording(model):
+        reason = ("its recurrent layers do not record their state after each token of a pass (its modeling code does "
+                  "not read `get_recurrent_states_to_keep`), so a rollback cannot restore the state of the accepted "
+                  "drafts")
+        if not records_recurrent_states():
+            reason += "; transformers records recurrent states from version 5.25 on: upgrade transformers"
+    if reason is not None:
+        raise ValueError(f"`{argument}` is a {model_type!r} model ({type(model).__name__}), which hf_spec cannot "
+                         f"speculate with exactly: {reason}. Use another model, or transformers' plain generate().")
 
 
 def refuse_unsupported(target: PreTrainedModel, generation_config: GenerationConfig,
@@ -26,6 +55,7 @@ def refuse_unsupported(target: PreTrainedModel, generation_config: GenerationCon
     if target.config.is_encoder_decoder:
         raise ValueError(f"hf_spec supports decoder-only models; `model` ({type(target).__name__}) is an "
                          "encoder-decoder model.")
+    refuse_unsupported_family(target, "model")
     base_mode = generation_config.get_generation_mode()
     # prompt lookup turns greedy and sampling into assisted generation, and only those
     if base_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
@@ -82,8 +112,9 @@ def is_other_vocabulary(tokenizer: Any, assistant_tokenizer: Any) -> bool:
 
 def validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:
     """Refuse forward kwargs the speculative loop would not pass on (they would be silently ignored)."""
-    unsupported = sorted(
-        key for key, value in model_kwargs.items() if key not in SUPPORTED_MODEL_KWARGS and value is not None
+    unsupported = sorted(  # an empty one (a vision-language model's text-only prompt: no image outputs) is nothing
+        key for key, value in model_kwargs.items()
+        if key not in SUPPORTED_MODEL_KWARGS and value is not None and not (isinstance(value, dict) and not value)
     )
     if unsupported:
         raise ValueError(

@@ -83,9 +83,9 @@ def test_forced_rejection_at_every_position_keeps_caches_exact(target, monkeypat
     snapshots = []
     original_roll_back = hf_spec.decoding.roll_back
 
-    def recording_roll_back(target_cache, drafter, num_cached, staying_rows):
-        original_roll_back(target_cache, drafter, num_cached, staying_rows)
-        length = num_cached + 1  # one row, no holes: the committed length
+    def recording_roll_back(target_cache, drafter, rollback):
+        original_roll_back(target_cache, drafter, rollback)
+        length = rollback.num_cached + 1  # one row, no holes: the committed length
         keys = [layer.keys.clone() for layer in target_cache.layers]
         snapshots.append((length, keys, drafter.cache.get_seq_length()))
 

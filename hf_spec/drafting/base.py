@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList, PreTrainedModel
 
+from hf_spec.caches import ColumnRules
 from hf_spec.forward import has_invalid_values
 from hf_spec.rejection import sample_from_weights
 from hf_spec.rows import RaggedBatch
@@ -84,6 +85,17 @@ class Drafter(abc.ABC):
 
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         """Keep at most ``num_cached`` positions of state, and only ``staying_rows`` (indices into the active rows)."""
+
+    def column_rules(self) -> ColumnRules:
+        """What the drafter's own cache asks of the batch's columns (a sliding window, recurrent states:
+        `hf_spec.caches.ColumnRules`); the default asks nothing."""
+        return ColumnRules()
+
+    def move_columns(self, first: int, order: torch.Tensor) -> None:
+        """Before `roll_back`, after a round in which the loop moved the rows' columns ``first ..`` (row a's column
+        ``first + j`` now holds what its column ``first + order[a, j]`` held; `hf_spec.caches.move_columns`). A
+        drafter whose state follows the columns moves it the same way; one that does not keeps an older view, which
+        can cost acceptance, never exactness (whatever its law q, the acceptance rule keeps the target's)."""
 
     def reset(self) -> None:
         """Forget the previous call's state; the loop calls it before a call's first round (a drafter passed as

@@ -57,7 +57,7 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
                     ) -> dict[int, float]:
     """Median seconds of a forward pass over each of ``widths`` tokens on top of a cached ``prefix_ids`` ``[1, S]``,
     the widths interleaved so that slow phases of a shared machine hit them alike."""
-    cache = new_cache(model)
+    cache = new_cache(model, max_pass=max(widths))
     model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1)
     prefix = cache_length(cache)
     seconds = {width: [] for width in widths}

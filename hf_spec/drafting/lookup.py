@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_spec.caches import ColumnRules
 from hf_spec.checks import check_int
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal
 from hf_spec.drafting.model import ModelDrafter
@@ -67,6 +68,12 @@ class LookupThenModel(Drafter):
 
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         self.model.roll_back(num_cached, staying_rows)  # its cache may lag behind: it catches up when next used
+
+    def column_rules(self) -> ColumnRules:
+        return self.model.column_rules()
+
+    def move_columns(self, first: int, order: torch.Tensor) -> None:
+        self.model.move_columns(first, order)
 
     def check(self, target, max_length: int) -> None:
         self.model.check(target, max_length)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
+from hf_spec.caches import ColumnRules, cache_length, crop_to, move_columns, new_cache, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
-from hf_spec.forward import extend_mask, forward_missing, position_table
+from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table
 from hf_spec.rows import RaggedBatch
+from hf_spec.validation import refuse_unsupported_family
 
 
 class ModelDrafter(Drafter):
@@ -53,6 +54,12 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         self.cache = new_cache(self.model, self.static_length)
 
+    def column_rules(self) -> ColumnRules:
+        return model_column_rules(self.model, self.cache)
+
+    def move_columns(self, first: int, order: torch.Tensor) -> None:
+        move_columns(self.cache, first, order)
+
     def check(self, target: PreTrainedModel, max_length: int) -> None:
         check_draft_model(self.model, target, max_length)
 
@@ -64,9 +71,9 @@ class ModelDrafter(Drafter):
         return forward_seconds(self.model, prefix_ids.to(self.model.device), widths, repeats)
 
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
+        crop_to(self.cache, num_cached)  # first: a recurrent layer's recorded states hold every row
         if staying_rows is not None:
             select_rows(self.cache, staying_rows)
-        crop_to(self.cache, num_cached)
 
 
 def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_length: int) -> None:
@@ -79,6 +86,7 @@ def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_lengt
     if draft.config.is_encoder_decoder:
         raise ValueError(f"hf_spec supports decoder-only models; `assistant_model` ({type(draft).__name__}) is an "
                          "encoder-decoder model.")
+    refuse_unsupported_family(draft, "assistant_model")
     if draft.device != target.device:
         raise ValueError(
             f"`assistant_model` is on {draft.device} but the model is on {target.device}; move the draft to the "

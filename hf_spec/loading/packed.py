@@ -275,7 +275,7 @@ def time_passes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict
     length = max(1, min(PREFIX_LENGTH, positions - max(widths)))  # the prefix and the widest pass fit the table
     prefix_ids = torch.randint(model.get_input_embeddings().num_embeddings, (1, length),
                                generator=torch.Generator().manual_seed(0))
-    cache = new_cache(model)
+    cache = new_cache(model, max_pass=max(widths))
     seconds = {mode: {width: [] for width in widths} for mode in (True, False)}
     ONEDNN_SWITCH.acquire()  # no other thread's pass runs while the flag is switched here
     was_enabled = torch.backends.mkldnn.enabled
