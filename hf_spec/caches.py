@@ -113,8 +113,8 @@ def prepare_for_rollback(cache: Cache | None, argument: str, max_pass: int, mode
         )
     if not is_static and (not isinstance(cache, DynamicCache) or not cache.is_croppable):
         raise ValueError(
-            f"Speculative decoding rolls caches back with `crop`, but `{argument}` of the model {model} uses "
-            f"{type(cache).__name__} (layers: {', '.join(layer_types) or 'none'}), which cannot be cropped back "
+            f"Speculative decoding rolls caches back with `crop`, but `{argument}` uses {type(cache).__name__} "
+            f"(layers: {', '.join(layer_types) or 'none'}; the model {model or 'given'}), which cannot be cropped back "
             "exactly. Use the default dynamic cache or `cache_implementation='static'` (quantized, offloaded and "
             "sliding-window static caches are refused), and do not pass a `cache=` of another type."
         )

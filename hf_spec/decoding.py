@@ -6,9 +6,10 @@ keeps an accepted prefix (or path) plus one recovered or bonus token (`hf_spec.r
 target-only decoding would, and rolls both caches back (`hf_spec.caches`). The output law equals target-only sampling
 (or greedy decoding). The round's shape, chain or tree, is a strategy object (`hf_spec.rounds`) chosen once per call.
 
-What it does not do: beam search, several return sequences, encoder-decoder models, caches other than
-``DynamicCache``; these are refused before the loop starts (`hf_spec.validation`). Rows of a batch advance by
-different amounts: `hf_spec.rows` keeps their bookkeeping out of this loop, `hf_spec.recording` keeps scores,
+What it does not do: beam search, several return sequences, encoder-decoder models, caches that cannot be rolled
+back exactly; these are refused before the loop starts (`hf_spec.validation`, `hf_spec.caches`). Rows of a batch
+advance by different amounts: `hf_spec.rows` keeps their bookkeeping (and what sliding windows and recurrent states
+ask of it) out of this loop, `hf_spec.recording` keeps scores,
 logits, the streamer and timings, and the sizers in `hf_spec.drafting` choose each round's size.
 """
 

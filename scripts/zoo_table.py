@@ -30,10 +30,11 @@ tokens) and for one row alone, against the target's own `generate()`. What each 
 - **transformers**: transformers' own `generate(assistant_model=near_copy)` for the first row (it takes no batches).
 
 The sampled law is tested on a sliding-window family (Mistral) and a recurrent one (Mamba), each with its negative
-control (`tests/test_windows_and_states.py`); the whole matrix runs in the suite (`tests/test_zoo.py`). What hf_spec does
-with each kind of cache: sliding windows move each row's holes out of its window (`hf_spec/caches.py`); recurrent and
-linear-attention states are rolled back from transformers' per-token recording (transformers 5.25 or newer; older
-releases refuse these models by name), with every row of a batch keeping the same number of tokens a round; tree
+control (`tests/test_windows_and_states.py`); the whole matrix runs in the suite (`tests/test_zoo.py`). What hf_spec
+does with each kind of cache: sliding windows move each row's holes out of its window (`hf_spec/caches.py`);
+recurrent and linear-attention states are rolled back from transformers' per-token recording (transformers 5.25 or
+newer; older releases refuse these models by name), with every row of a batch keeping the same number of tokens a
+round; tree
 drafts need plain attention layers (a sliding window or a recurrent state is refused by name with `num_tree_nodes`).
 
 Made by `python scripts/zoo_table.py` on {date}, transformers {version}, torch {torch}.

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
-from hf_spec.compat import records_recurrent_states
+from hf_spec.compat import TESTED_TRANSFORMERS, records_recurrent_states
 from hf_spec.evaluation.zoo import FAMILIES, NOT_CHECKED, check_family
 
 #: Families a Transformers user brings every day, with sliding windows, mixtures of experts, recurrent and hybrid
@@ -31,7 +33,8 @@ def test_the_matrix_enumerates_transformers_own_families():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     assert set(FAMILIES) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    assert set(NOT_CHECKED) <= set(FAMILIES), set(NOT_CHECKED) - set(FAMILIES)  # no stale entry
+    if Version(transformers.__version__).release[:2] == Version(TESTED_TRANSFORMERS[1]).release[:2]:
+        assert set(NOT_CHECKED) <= set(FAMILIES), set(NOT_CHECKED) - set(FAMILIES)  # no stale entry
     assert MUST_BE_EXACT <= set(FAMILIES) - set(NOT_CHECKED)
     assert len(set(FAMILIES) - set(NOT_CHECKED)) >= 150
 

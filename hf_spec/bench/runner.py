@@ -244,8 +244,13 @@ def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) 
             stop = StoppingCriteriaList([StopAfter(first["input_ids"].shape[1] + WARM_UP_TOKENS)])
             calls = [(first, {"max_new_tokens": max_new_tokens, "stopping_criteria": stop})]
         for prompt, setting in calls:
-            generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
-                          {**plan.generate_kwargs, **setting}, draft_kwargs=plan.draft_kwargs)
+            try:
+                generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
+                              {**plan.generate_kwargs, **setting}, draft_kwargs=plan.draft_kwargs)
+            except Exception as error:  # transformers' own assisted generation: its timed calls record the error
+                if spec.is_ours or not spec.uses_draft:
+                    raise
+                logger.warning(f"{method} raised in its warm-up: {type(error).__name__}: {error}")
         seconds[method] = time.perf_counter() - started
     return seconds
 

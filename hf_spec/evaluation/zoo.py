@@ -48,7 +48,8 @@ _SIZES = {
     "sliding_window": WINDOW, "attention_chunk_size": WINDOW, "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1, "rotary_dim": 16, "kv_lora_rank": 32,
-    "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16, "decoder_layers": 2, "encoder_layers": 2, "pad_token_id": 0, "bos_token_id": 1,
+    "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16,
+    "decoder_layers": 2, "encoder_layers": 2, "pad_token_id": 0, "bos_token_id": 1,
     "eos_token_id": 2, "decoder_start_token_id": 1, "tie_word_embeddings": False, "use_cache": True,
     "use_sliding_window": True, "max_window_layers": 1,  # Qwen's windows: layer 0 full, layer 1 sliding
     "is_decoder": True,  # BERT-family models as causal decoders (as transformers asks)
