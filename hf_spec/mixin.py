@@ -110,6 +110,10 @@ class SpeculativeGenerationMixin(GenerationMixin):
         if num_tree_nodes is not None:
             check_tree_nodes(num_tree_nodes)
             kwargs["num_tree_nodes"] = num_tree_nodes
+        if isinstance(kwargs.get("custom_generate"), str):  # transformers hands every argument to the recipe, which
+            if generator is not None:  # calls this method again: hf_spec's own arguments go along with the rest
+                kwargs["generator"] = generator
+            return super().generate(inputs, generation_config, *args, **kwargs)
         settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
         kwargs.pop("num_tree_nodes", None)  # transformers' config would keep it as an unknown entry
         if "custom_generate" not in kwargs and id(self) not in _WITHOUT_SPECULATION.get():

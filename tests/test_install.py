@@ -106,8 +106,11 @@ def test_the_readme_main_command_runs_verbatim_in_a_fresh_clone(tmp_path):
     environment["PATH"] = os.pathsep.join(part for part in environment["PATH"].split(os.pathsep)
                                           if not part.startswith(str(Path(sys.prefix))))
     environment["HF_SPEC_CACHE"] = str(tmp_path / "model-cache")
-    result = subprocess.run(["bash", "-c", readme_command(2)], cwd=clone, env=environment, capture_output=True,
-                            text=True, timeout=3600, check=False)
+    try:
+        result = subprocess.run(["bash", "-c", readme_command(2)], cwd=clone, env=environment, capture_output=True,
+                                text=True, timeout=3600, check=False)
+    finally:  # the wheels, the GGUF files and the converted models: several GB
+        shutil.rmtree(tmp_path, ignore_errors=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "tokens/s: speculative" in result.stdout, result.stdout[-3000:]
     assert len(result.stdout.split("tokens/s")[0].strip()) > 40  # the streamed answer came first

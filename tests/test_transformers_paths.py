@@ -26,6 +26,21 @@ def test_custom_generate_runs_hf_spec_on_a_model_never_made_speculative():
     assert output.speculative_stats.num_rounds > 0, "hf_spec's loop ran (transformers' has no statistics)"
 
 
+def test_custom_generate_keeps_the_generator_and_tree_nodes_on_every_call():
+    """The first `custom_generate` call makes the model speculative in place; later calls go through both generate()s
+    (ours, then transformers' hop to the recipe, then ours again) and must keep hf_spec's own arguments."""
+    target, draft = build_tiny_pair(seed=8)
+    settings = {"assistant_model": draft, "do_sample": True, "max_new_tokens": 12, "return_dict_in_generate": True,
+                "custom_generate": hf_spec.CUSTOM_GENERATE, "trust_remote_code": True}
+    for _ in range(2):  # the second call finds the model already speculative
+        first = target.generate(PROMPT, generator=torch.Generator().manual_seed(3), **settings)
+        torch.manual_seed(0)  # the global generator must not matter
+        second = target.generate(PROMPT, generator=torch.Generator().manual_seed(3), **settings)
+        assert torch.equal(first.sequences, second.sequences)
+        tree = target.generate(PROMPT, num_tree_nodes=7, **{**settings, "do_sample": False})
+        assert 7 in tree.speculative_stats.draft_lengths  # trees of 7 nodes, not chains of the default 5
+
+
 def test_a_pipeline_reaches_hf_spec_with_one_line(tmp_path):
     target, draft = build_tiny_pair(seed=6)
     for name, model in (("target", target), ("draft", draft)):
