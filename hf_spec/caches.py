@@ -106,7 +106,7 @@ def prepare_for_rollback(cache: Cache | None, argument: str, max_pass: int, mode
     has_recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
     if has_recurrent and not records_recurrent_states():
         raise ValueError(
-            f"The model {model or ''} keeps recurrent (state-space or linear-attention) states in `{argument}` "
+            f"The model {model or 'given'} keeps recurrent (state-space or linear-attention) states in `{argument}` "
             f"(layers: {', '.join(layer_types)}). Rolling them back to the accepted drafts needs the state after every "
             "token of a pass, which transformers records from version 5.25 on; upgrade transformers "
             "(`pip install -U transformers`) to speculate with this model."
@@ -151,8 +151,8 @@ def move_columns(cache: Cache, first: int, order: torch.Tensor) -> None:
     past its last (a draft's cache one column short) is a hole, masked wherever it lands.
     """
     for layer in cache.layers:
-        if not layer.is_initialized or layer.keys.numel() == 0:
-            continue
+        if getattr(layer, "keys", None) is None or not layer.is_initialized or layer.keys.numel() == 0:
+            continue  # a recurrent layer has no columns (its calls never move any: `ColumnRules.allows_holes`)
         held = layer.keys.shape[-2]
         start = 0 if isinstance(layer, StaticLayer) else int(layer.get_seq_length()) - held  # column of entry 0
         low, high = max(first, start), min(first + order.shape[1], start + held)
@@ -166,6 +166,8 @@ def move_columns(cache: Cache, first: int, order: torch.Tensor) -> None:
             states = getattr(layer, name)  # [rows, heads, held, head_dim]
             index = sources[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
             states[:, :, low - start: high - start] = states.gather(2, index)
+
+
 def cache_length(cache: Cache) -> int:
     """Number of positions the cache holds (a static cache's write position)."""
     return int(cache.get_seq_length())

@@ -6,8 +6,8 @@ absent. `tiny_config` shrinks a family's default config to a model of a few hund
 one layer of each kind the family mixes, every sliding window `WINDOW` tokens), and `check_family` runs greedy
 speculative decoding on it with two drafts, a near-copy (accepted most of the time: the rollback paths run) and
 another random model of the family (rejected almost always), in a ragged batch and alone, with prompts longer than
-every window, and compares with the target's own ``generate()``. A family is then either exact, or refused by
-hf_spec before any forward pass with an error naming the model type.
+every window, and compares with the target's own ``generate()``. A family is then either exact, or refused before any
+forward pass with an error naming the model type or class (by hf_spec, or by transformers' own checks).
 
 Greedy outputs are compared up to ties: where two sequences first differ, the target's own logits there (the row
 decoded alone) must have its two candidates within `TIE_TOLERANCE`, a difference of float rounding between a verify
@@ -226,7 +226,7 @@ def check_family(model_type: str, num_assistant_tokens: int = 4) -> FamilyResult
                                          num_assistant_tokens=num_assistant_tokens, return_dict_in_generate=True)
             except (ValueError, TypeError) as error:
                 passes.remove()
-                if passes.count == 0 and model_type in str(error):
+                if passes.count == 0 and (model_type in str(error) or type(target).__name__ in str(error)):
                     return FamilyResult(model_type, "refused", str(error))
                 return FamilyResult(model_type, "error", f"{type(error).__name__}: {error}"[:300])
             except Exception as error:  # noqa: BLE001 - a crash is a finding
