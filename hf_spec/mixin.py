@@ -218,20 +218,30 @@ class SpeculativeGenerationMixin(GenerationMixin):
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
 
     def _sized_static_cache(self, cache, input_ids, generation_config, rounds: Rounds):
-        """A static cache that holds every position the call may write (`static_cache_length`): transformers sizes
-        one for ``max_length`` positions, which drafts and a batch's holes outgrow, so a fresh one too small is made
-        again, rounded up (`static_cache_size`: calls of other prompt lengths reuse their compiled graphs); a filled
-        one (passed as ``cache=``) too small is refused."""
+        """A static cache that holds every position the call may write (`static_cache_length`), of a size that
+        depends on this call only: ``max_cache_len`` when the user set one that large, else the needed length rounded
+        up (`static_cache_size`: calls of other prompt lengths reuse their compiled graphs). transformers sizes a
+        fresh one for ``max_length`` (or for an earlier call's larger size), so it is made again when its size
+        differs; a ``max_cache_len`` below ``max_length``, and a filled one (passed as ``cache=``) too small, are
+        refused."""
         length = static_length(cache)
+        if length is None:
+            return cache
         needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], generation_config.max_length,
                                      rounds.max_drafted)
-        if length is None or length >= needed:
-            return cache
+        user_length = generation_config.max_cache_len
+        if user_length is not None and user_length < generation_config.max_length:
+            raise ValueError(f"`max_cache_len`={user_length} is smaller than `max_length`={generation_config.max_length}"
+                             " (the prompt and `max_new_tokens`): the static cache could not hold the answer; pass "
+                             f"`max_cache_len={needed}` or more, or leave it unset.")
         if cache_length(cache) > 0:
-            raise ValueError(f"The static `cache` holds {length} positions, but this call may write {needed} (drafts "
-                             "past `max_length`, and a batch's rows drifting apart); build it with "
-                             f"`max_cache_len={needed}` or more.")
-        return new_cache(self, static_cache_size(needed))
+            if length < needed:
+                raise ValueError(f"The static `cache` holds {length} positions, but this call may write {needed} "
+                                 "(drafts past `max_length`, and a batch's rows drifting apart); build it with "
+                                 f"`max_cache_len={needed}` or more.")
+            return cache
+        size = user_length if user_length is not None and user_length >= needed else static_cache_size(needed)
+        return cache if length == size else new_cache(self, size)
 
     def __reduce__(self):
         """Pickled as the original class's object, made speculative again when loaded (`torch.save` too)."""

@@ -92,7 +92,8 @@ SETTINGS: dict[str, Treatment] = {
             "default dynamic cache or 'static'.")),
     "cache_config": Treatment(TRANSFORMERS, "passed to the cache transformers builds"),
     "max_cache_len": Treatment(HONOURED, "sizes a static cache (of the target and of a draft model); it must hold "
-                               "`max_length` positions, or the call is refused before any pass"),
+                               "`max_length` positions, or the call is refused before any pass; one too small for "
+                               "the drafts and a batch's holes is enlarged to what the call needs"),
     "prefill_chunk_size": Treatment(WARNED, "hf_spec's first round feeds the whole prompt in one pass", _not(
         None, "`prefill_chunk_size` is not used by speculative decoding: its first round feeds the whole prompt "
         "in one target pass.")),

@@ -34,8 +34,8 @@ control (`tests/test_windows_and_states.py`); the whole matrix runs in the suite
 does with each kind of cache: sliding windows move each row's holes out of its window (`hf_spec/caches.py`);
 recurrent and linear-attention states are rolled back from transformers' per-token recording (transformers 5.25 or
 newer; older releases refuse these models by name), with every row of a batch keeping the same number of tokens a
-round; tree
-drafts need plain attention layers (a sliding window or a recurrent state is refused by name with `num_tree_nodes`).
+round; tree drafts need plain attention layers (a sliding window or a recurrent state is refused by name with
+`num_tree_nodes`).
 
 Made by `python scripts/zoo_table.py` on {date}, transformers {version}, torch {torch}.
 

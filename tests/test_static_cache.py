@@ -29,7 +29,7 @@ from transformers import CompileConfig, StaticCache
 import hf_spec.compiled
 import hf_spec.decoding
 import hf_spec.forward
-from hf_spec import speculative
+from hf_spec import speculative, without_speculation
 from hf_spec.caches import static_length
 from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.packed import optimize
@@ -204,6 +204,29 @@ def test_inductor_compiles_a_model_on_the_packed_cpu_path():
     output = target.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
                              cache_implementation="static", compile_config=config)
     assert torch.equal(output, expected) and graphs([target], config) > 0
+
+
+def test_a_max_cache_len_below_max_length_is_refused_before_any_pass(model, assistant):
+    passes = []
+    handle = model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    try:
+        with pytest.raises(ValueError, match="`max_cache_len`=12 is smaller than `max_length`=24"):
+            model.generate(torch.tensor([[1, 2, 3, 4]]), assistant_model=assistant, max_new_tokens=20,
+                           cache_implementation="static", max_cache_len=12)
+    finally:
+        handle.remove()
+    assert not passes
+
+
+def test_the_static_cache_of_a_call_does_not_depend_on_earlier_calls(model, assistant):
+    """transformers remembers the largest static cache an earlier call of the model made; hf_spec's size follows the
+    call alone (a power of two of at least 256 positions), so it is the same in a fresh process."""
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    with without_speculation(model):
+        model.generate(prompt, max_new_tokens=30, cache_implementation="static", do_sample=False)
+    output = model.generate(prompt, assistant_model=assistant, cache_implementation="static", max_new_tokens=10,
+                            do_sample=False, return_dict_in_generate=True)
+    assert static_length(output.cache) == static_cache_size(4 + 10 + 5 + 1) == 256
 
 
 def test_a_filled_static_cache_too_small_is_refused_naming_max_cache_len(model, assistant):

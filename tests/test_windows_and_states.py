@@ -175,6 +175,21 @@ def test_trees_refuse_a_sliding_window_by_name(window_pair):
         target.generate(PROMPT, assistant_model=draft, num_tree_nodes=4, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("family", ["mistral", "mamba"])
+def test_static_caches_of_windows_and_recurrent_states_are_refused_by_name_before_any_pass(family):
+    target = speculative(mistral(window=6) if family == "mistral" else mamba())
+    passes = []
+    handle = target.register_forward_pre_hook(lambda module, args: passes.append(1))
+    ids, mask = ragged([20, 13])
+    try:
+        with pytest.raises(ValueError, match=f"'{family}'.*cannot"):  # (transformers 5.24: no recording, named first)
+            target.generate(ids, attention_mask=mask, assistant_model=near_copy(target), max_new_tokens=8,
+                            pad_token_id=0, cache_implementation="static")
+    finally:
+        handle.remove()
+    assert not passes
+
+
 @needs_recording
 @pytest.mark.parametrize("drafter", ["model", "auto k", "prompt lookup", "mamba draft of a llama"])
 def test_greedy_recurrent_batches_equal_target_only(drafter):
