@@ -66,3 +66,20 @@ def test_overridden_methods_keep_the_parameters_hf_spec_relies_on(name):
 
     parameters = inspect.signature(getattr(GenerationMixin, name)).parameters
     assert set(compat.OVERRIDDEN_METHODS[name]) <= set(parameters)
+
+
+def test_a_transformers_newer_than_the_tested_range_warns_once_naming_it():
+    newest = compat.TESTED_TRANSFORMERS[1]
+    major, minor = map(int, newest.split("."))
+    with pytest.warns(UserWarning, match=f"tested with transformers {compat.TESTED_TRANSFORMERS[0]} to {newest}"):
+        assert compat.warn_if_untested(f"{major}.{minor + 1}.0") is not None
+    assert compat.warn_if_untested(f"{newest}.3") is None  # a patch release of the newest tested minor
+    assert compat.warn_if_untested(f"{compat.TESTED_TRANSFORMERS[0]}.0") is None
+
+
+def test_setup_cfg_requires_the_oldest_tested_transformers_and_caps_nothing():
+    from pathlib import Path
+
+    setup = (Path(__file__).parent.parent / "setup.cfg").read_text()
+    assert f"transformers>={compat.TESTED_TRANSFORMERS[0]}\n" in setup
+    assert "transformers<" not in setup.replace(" ", "")
