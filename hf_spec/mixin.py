@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_spec.caches import cache_length, fit_prompt, model_type, new_cache, prepare_for_rollback, static_length
+from hf_spec.caches import fit_prompt, model_type, prepare_for_rollback, static_length
 from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor, warn_if_untested
 from hf_spec.compiled import compiling
 from hf_spec.decoding import speculative_decode
@@ -42,9 +42,8 @@ from hf_spec.plan import (
     CallOptions,
     check_tree_nodes,
     plan_call,
+    sized_static_cache,
     start_sizer,
-    static_cache_length,
-    static_cache_size,
     user_settings,
 )
 from hf_spec.rounds import Rounds
@@ -213,35 +212,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
                              "cache of its own inside its forward pass), and speculative decoding rolls the cache back "
                              "after every round; hf_spec cannot speculate with this model.")
         prepare_for_rollback(target_cache, "cache", rounds.max_drafted + 1, model_type(self))
-        target_cache = self._sized_static_cache(target_cache, input_ids, generation_config, rounds)
+        target_cache = sized_static_cache(self, target_cache, input_ids, generation_config, rounds.max_drafted)
         fit_prompt(target_cache, input_ids.shape[1])
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
-
-    def _sized_static_cache(self, cache, input_ids, generation_config, rounds: Rounds):
-        """A static cache that holds every position the call may write (`static_cache_length`), of a size that
-        depends on this call only: ``max_cache_len`` when the user set one that large, else the needed length rounded
-        up (`static_cache_size`: calls of other prompt lengths reuse their compiled graphs). transformers sizes a
-        fresh one for ``max_length`` (or for an earlier call's larger size), so it is made again when its size
-        differs; a ``max_cache_len`` below ``max_length``, and a filled one (passed as ``cache=``) too small, are
-        refused."""
-        length = static_length(cache)
-        if length is None:
-            return cache
-        needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], generation_config.max_length,
-                                     rounds.max_drafted)
-        user_length = generation_config.max_cache_len
-        if user_length is not None and user_length < generation_config.max_length:
-            raise ValueError(f"`max_cache_len`={user_length} is smaller than `max_length`={generation_config.max_length}"
-                             " (the prompt and `max_new_tokens`): the static cache could not hold the answer; pass "
-                             f"`max_cache_len={needed}` or more, or leave it unset.")
-        if cache_length(cache) > 0:
-            if length < needed:
-                raise ValueError(f"The static `cache` holds {length} positions, but this call may write {needed} "
-                                 "(drafts past `max_length`, and a batch's rows drifting apart); build it with "
-                                 f"`max_cache_len={needed}` or more.")
-            return cache
-        size = user_length if user_length is not None and user_length >= needed else static_cache_size(needed)
-        return cache if length == size else new_cache(self, size)
 
     def __reduce__(self):
         """Pickled as the original class's object, made speculative again when loaded (`torch.save` too)."""

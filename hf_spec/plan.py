@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from hf_spec.caches import cache_length, new_cache, static_length
 from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.drafting.base import Drafter, DraftSource
 from hf_spec.drafting.costs import probe_costs, probe_sizes
@@ -266,3 +267,31 @@ def static_cache_size(needed: int) -> int:
     prompts differ in length share their graphs instead of compiling new ones (four minutes a prompt for the 1.5B
     target on a CPU); a decode step's attention over the unused slots costs little beside its weights."""
     return max(MIN_STATIC_CACHE, 1 << (needed - 1).bit_length())
+
+
+def sized_static_cache(model: PreTrainedModel, cache, input_ids: torch.Tensor, generation_config: GenerationConfig,
+                       max_drafted: int):
+    """A static cache that holds every position the call may write (`static_cache_length`), of a size that
+    depends on this call only: ``max_cache_len`` when the user set one that large, else the needed length rounded
+    up (`static_cache_size`: calls of other prompt lengths reuse their compiled graphs). transformers sizes a
+    fresh one for ``max_length`` (or for an earlier call's larger size), so it is made again when its size
+    differs; a ``max_cache_len`` below ``max_length``, and a filled one (passed as ``cache=``) too small, are
+    refused."""
+    length = static_length(cache)
+    if length is None:
+        return cache
+    needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], generation_config.max_length,
+                                 max_drafted)
+    user_length = generation_config.max_cache_len
+    if user_length is not None and user_length < generation_config.max_length:
+        raise ValueError(f"`max_cache_len`={user_length} is smaller than `max_length`="
+                         f"{generation_config.max_length} (the prompt and `max_new_tokens`): the static cache could "
+                         f"not hold the answer; pass `max_cache_len={needed}` or more, or leave it unset.")
+    if cache_length(cache) > 0:
+        if length < needed:
+            raise ValueError(f"The static `cache` holds {length} positions, but this call may write {needed} "
+                             "(drafts past `max_length`, and a batch's rows drifting apart); build it with "
+                             f"`max_cache_len={needed}` or more.")
+        return cache
+    size = user_length if user_length is not None and user_length >= needed else static_cache_size(needed)
+    return cache if length == size else new_cache(model, size)
