@@ -125,7 +125,8 @@ SETTINGS: dict[str, Treatment] = {
        for name in ("assistant_lookbehind", "target_lookbehind")},
     "prompt_lookup_num_tokens": Treatment(HONOURED, "exact prompt lookup, greedy and sampled, in batches"),
     "max_matching_ngram_size": Treatment(HONOURED, "the longest n-gram prompt lookup matches (default 2)"),
-    "assistant_early_exit": Treatment(TRANSFORMERS, "early-exit self-speculation runs transformers' own loop"),
+    "assistant_early_exit": Treatment(TRANSFORMERS, "early-exit self-speculation runs transformers' own loop; with "
+                                      "`assistant_model` as well, refused (both name the draft)"),
     "use_mtp": Treatment(TRANSFORMERS, "multi-token-prediction drafting runs transformers' own loop"),
     "speculation_type": Treatment(TRANSFORMERS, "'dflash' runs transformers' own generator"),
     "is_assistant": Treatment(METADATA, "transformers' internal flag on an assistant's config"),
@@ -152,11 +153,12 @@ def check_settings(generation_config: GenerationConfig, user: dict[str, Any]) ->
         problem = f"{problem} (It is {value!r}.)"
         if treatment.kind in (REFUSED, HONOURED):  # an honoured setting at a value it cannot honour: refused
             raise ValueError(problem)
-        _warn_once(problem)
+        warn_once(problem)
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning, once per process."""
     logger.warning(message)
 
 

@@ -66,6 +66,10 @@ def refuse_unsupported(target: PreTrainedModel, generation_config: GenerationCon
             f"{generation_config.constraints}, dola_layers={generation_config.dola_layers})."
         )
     check_settings(generation_config, user_settings)
+    if generation_config.assistant_early_exit is not None and generation_mode_kwargs.get("assistant_model") is not None:
+        raise ValueError(f"`assistant_early_exit`={generation_config.assistant_early_exit} and `assistant_model` both "
+                         "name the draft: early exit drafts with the model's own first layers (transformers' loop), "
+                         "`assistant_model` with another model (hf_spec's). Pass one of them.")
     _validate_tokenizers(generation_mode_kwargs)
 
 

@@ -188,3 +188,18 @@ def test_invalid_scores_are_found_in_one_pass(row, is_invalid, dtype):
 
     batch = torch.tensor([[0.0, 1.0, 2.0], row], dtype=dtype)  # one good row, one under test
     assert bool(has_invalid_values(batch)) == is_invalid
+
+
+def test_early_exit_beside_a_draft_model_is_refused_by_name(target, close_draft):
+    with pytest.raises(ValueError, match="`assistant_early_exit`=1 and `assistant_model` both name the draft"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=close_draft, assistant_early_exit=1,
+                        max_new_tokens=4)
+
+
+def test_a_draft_of_another_vocabulary_without_tokenizers_is_warned_about(target, caplog):
+    from helpers import make_tiny_model
+
+    other = make_tiny_model(seed=9, vocab_size=8)  # the target has 16 ids
+    with caplog.at_level("WARNING"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=other, max_new_tokens=4, do_sample=False)
+    assert "`tokenizer=` and `assistant_tokenizer=`" in caplog.text

@@ -239,7 +239,7 @@ class CrossTokenizerDrafter(Drafter):
         self.fed, self.columns = [self.fed[row] for row in kept], [self.columns[row] for row in kept]
 
     def check(self, target: PreTrainedModel, max_length: int) -> None:
-        check_draft_model(self.model, target, max_length)
+        check_draft_model(self.model, target, max_length, shares_tokenizer=False)
         if is_rewired_by_universal_assisted_generation(self.model):
             raise ValueError("`assistant_model`'s embeddings were replaced by transformers' universal assisted "
                              "generation (sampling with another tokenizer prunes the draft's output layer and remaps "

@@ -10,6 +10,7 @@ from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is
 from hf_spec.drafting.costs import forward_seconds
 from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table
 from hf_spec.rows import RaggedBatch
+from hf_spec.settings import warn_once
 from hf_spec.validation import refuse_unsupported_family
 
 
@@ -76,8 +77,10 @@ class ModelDrafter(Drafter):
             select_rows(self.cache, staying_rows)
 
 
-def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_length: int) -> None:
-    """A draft model must be decoder-only, on the target's (first) device, and hold every position it is fed.
+def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_length: int,
+                      shares_tokenizer: bool = True) -> None:
+    """A draft model must be decoder-only, on the target's (first) device, and hold every position it is fed; one
+    meant to share the target's tokenizer (``shares_tokenizer``) whose vocabulary has another size gets a warning.
 
     A call may reach ``max_length`` tokens, but the draft never reads the last two: a round that drafts k tokens
     after a row of length L feeds the draft L + k - 1 of them, and k <= max_length - L - 1. So positions up to
@@ -92,6 +95,12 @@ def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_lengt
             f"`assistant_model` is on {draft.device} but the model is on {target.device}; move the draft to the "
             f"target's (first) device, e.g. `assistant_model.to({str(target.device)!r})`."
         )
+    draft_vocab, target_vocab = (model.config.get_text_config().vocab_size for model in (draft, target))
+    if shares_tokenizer and draft_vocab != target_vocab:
+        warn_once(f"`assistant_model` has a vocabulary of {draft_vocab} ids and the model {target_vocab}. A draft with "
+                  "the target's tokenizer, padded to another size, is fine; a draft with another tokenizer proposes "
+                  "ids that mean other tokens and is almost never accepted: pass `tokenizer=` and "
+                  "`assistant_tokenizer=` to generate() to draft across tokenizers.")
     table = position_table(draft)
     if table is not None and max_length - 2 > table:
         raise ValueError(
