@@ -10,6 +10,7 @@ exception by construction: `hf_spec.mixin` overrides the two private `Generation
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 
@@ -157,9 +158,14 @@ def records_recurrent_states() -> bool:
 def ignores_recurrent_recording(model: PreTrainedModel) -> bool:
     """Whether the model's recurrent layers update their state without honouring transformers' recurrent-state
     recording: its modeling module calls ``update_recurrent_state`` but never reads ``get_recurrent_states_to_keep``
-    (the hook through which a pass hands the cache the state after each token). Read from the module's source,
-    since the layers only show what they record after a pass."""
-    module = inspect.getmodule(type(model))  # hf_spec's speculative subclass keeps the class's module
+    (the hook through which a pass hands the cache the state after each token). Read from the module's source, once
+    per class, since the layers only show what they record after a pass."""
+    return _source_ignores_recording(type(model))
+
+
+@functools.cache
+def _source_ignores_recording(model_class: type) -> bool:
+    module = inspect.getmodule(model_class)  # hf_spec's speculative subclass keeps the class's module
     try:
         source = inspect.getsource(module)
     except (OSError, TypeError):
