@@ -10,6 +10,7 @@ exception by construction: `hf_spec.mixin` overrides the two private `Generation
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -30,6 +31,7 @@ __all__ = [
     "check_generation_hooks",
     "decoding_chain",
     "drop_gguf_quantizer",
+    "forgetting_output_capture",
     "ignores_recurrent_recording",
     "is_rewired_by_universal_assisted_generation",
     "merged_generation_config",
@@ -171,3 +173,28 @@ def _source_ignores_recording(model_class: type) -> bool:
     except (OSError, TypeError):
         return False
     return "update_recurrent_state" in source and "get_recurrent_states_to_keep" not in source
+
+
+#: The flag transformers sets on a model (and each model inside it) once it has put its output-capturing hooks on the
+#: submodules (`transformers.utils.output_capturing`), and the module those hooks' functions come from.
+_CAPTURE_FLAG = "_output_capturing_hooks_installed"
+_CAPTURE_MODULE = "transformers.utils.output_capturing"
+
+
+@contextlib.contextmanager
+def forgetting_output_capture(model: torch.nn.Module):
+    """Within the block, a model asked for hidden states (a draft head's features) gets transformers' capturing hooks
+    as usual; on leaving, the hooks the block put on are taken off again. transformers installs them once per model
+    as local functions and keeps them, and a model holding local functions no longer pickles: a call of hf_spec must
+    not leave a model that pickled before it unpicklable. Hooks that were there before the block stay."""
+    flagged_before = {id(module) for module in model.modules() if _CAPTURE_FLAG in module.__dict__}
+    try:
+        yield
+    finally:
+        for flagged in [module for module in model.modules()
+                        if _CAPTURE_FLAG in module.__dict__ and id(module) not in flagged_before]:
+            for module in flagged.modules():
+                for key, hook in tuple(module._forward_hooks.items()):
+                    if getattr(hook, "__module__", None) == _CAPTURE_MODULE:
+                        del module._forward_hooks[key]
+            delattr(flagged, _CAPTURE_FLAG)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -47,10 +48,19 @@ _COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, CompiledForward]
 
 @dataclasses.dataclass
 class CompiledForward:
-    """A model's compiled ``forward``, and how many graphs it compiled."""
+    """A model's compiled ``forward`` (`__call__` runs it), and how many graphs it compiled. The compiled function
+    takes the model as an argument and this object holds it weakly, so a model is freed once the caller drops it."""
 
-    function: Callable
+    function: Callable | None  # compiled: (model, **inputs) -> the model's output
+    model: weakref.ref | None = None
     num_graphs: int = 0
+
+    def __call__(self, **inputs):
+        return self.function(self.model(), **inputs)
+
+
+def _forward(model: torch.nn.Module, **inputs):
+    return model.forward(**inputs)
 
 
 def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> CompiledForward:
@@ -58,7 +68,7 @@ def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> CompiledF
     key = repr(config.to_dict()) if hasattr(config, "to_dict") else repr(config)
     per_model = _COMPILED.setdefault(model, {})
     if key not in per_model:
-        compiled = CompiledForward(function=None)
+        compiled = CompiledForward(function=None, model=weakref.ref(model))
         if config.backend == "inductor":  # what torch.compile(mode=..., options=...) builds for inductor
             backend = torch._TorchCompileInductorWrapper(config.mode, config.options, config.dynamic)
         else:
@@ -70,7 +80,9 @@ def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> CompiledF
 
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:  # raised once per process, never lowered
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-        compiled.function = torch.compile(model.forward, backend=counting_backend, fullgraph=config.fullgraph,
+        own = _forward.__code__.replace(co_name=f"forward_of_{type(model).__name__}")  # dynamo's caches and its
+        function = types.FunctionType(own, _forward.__globals__)  # recompile limit are per code object: one per model
+        compiled.function = torch.compile(function, backend=counting_backend, fullgraph=config.fullgraph,
                                           dynamic=config.dynamic)
         per_model[key] = compiled
     return per_model[key]

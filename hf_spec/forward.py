@@ -56,7 +56,7 @@ def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
             run_pre_hooks(model, inputs)
             output = None
             try:
-                output = compiled.function(**pad_inputs(inputs, width), use_cache=True, **extra)
+                output = compiled(**pad_inputs(inputs, width), use_cache=True, **extra)
             finally:
                 run_post_hooks(model, inputs, output)
             crop_to(inputs["cache"], cached + num_fed)  # the padding's positions: written, then cut off

@@ -35,7 +35,13 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_spec.caches import fit_prompt, model_type, prepare_for_rollback, static_length
-from hf_spec.compat import check_generation_hooks, merged_generation_config, pad_token_tensor, warn_if_untested
+from hf_spec.compat import (
+    check_generation_hooks,
+    forgetting_output_capture,
+    merged_generation_config,
+    pad_token_tensor,
+    warn_if_untested,
+)
 from hf_spec.compiled import compiling
 from hf_spec.decoding import speculative_decode
 from hf_spec.plan import (
@@ -125,7 +131,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
                                                   if kwargs.get(name) is not None}, settings)
         token = _CALL.set(_Call(CallOptions(generator=generator, settings=settings)))
         try:
-            return super().generate(inputs, generation_config, *args, **kwargs)
+            with forgetting_output_capture(self):
+                return super().generate(inputs, generation_config, *args, **kwargs)
         finally:
             _CALL.reset(token)
 

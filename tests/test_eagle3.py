@@ -387,3 +387,144 @@ def test_a_head_built_from_a_packed_target_equals_one_built_from_its_dense_weigh
         dense_state, packed_state = dense_head.state_dict(), packed_head.state_dict()
         assert dense_state.keys() == packed_state.keys()
         assert all(torch.equal(dense_state[name], packed_state[name]) for name in dense_state), kind.__name__
+
+
+# --- Published layouts, damaged folders, export ---------------------------------------------------------------------
+
+def _reference_folder(head, folder, weights_name: str = "pytorch_model.bin", **config_fields):
+    """``head`` written as SafeAILab/EAGLE's training writes it: a ``LlamaForCausalLM`` config with
+    ``draft_vocab_size`` and no layer ids, the layer under ``midlayer.*``, in a ``.bin`` file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name.replace("layers.0.", "midlayer."): tensor.clone() for name, tensor in head.state_dict().items()
+             if not name.startswith(("embed_tokens", "verifier_lm_head", "rotary_emb"))}
+    if weights_name.endswith(".bin"):
+        torch.save(state, folder / weights_name)
+    else:
+        save_file(state, str(folder / weights_name))
+    layer = {key: value for key, value in head.config.transformer_layer_config.items() if key != "model_type"}
+    (folder / "config.json").write_text(json.dumps({**layer, "architectures": ["LlamaForCausalLM"],
+                                                    "model_type": "llama", "draft_vocab_size": 21, **config_fields}))
+    return folder
+
+
+def test_a_reference_bin_head_runs_greedy_equal_through_generate_with_no_extra_call(tmp_path):
+    """EAGLE-3's reference training output (``pytorch_model.bin``, ``midlayer.*``, a ``LlamaForCausalLM`` config that
+    names no layers) on a target deep enough for the default layers: generate() attaches it and resolves them."""
+    deep = speculative(make_tiny_model(seed=4, vocab_size=64, num_layers=8))
+    built = Eagle3Head.from_target(deep, draft_vocab=list(range(1, 64, 3)))  # default layers [2, 4, 5]
+    loaded = Eagle3Head.from_pretrained(_reference_folder(built, tmp_path / "reference"))
+    assert loaded.config.eagle_aux_hidden_state_layer_ids is None and not loaded.config.norm_before_residual
+    prompt = torch.tensor([[5, 9, 2, 6, 5, 3]])
+    output = deep.generate(prompt, assistant_model=loaded, do_sample=False, max_new_tokens=16,
+                           return_dict_in_generate=True)
+    with without_speculation(deep):
+        assert torch.equal(output.sequences, deep.generate(prompt, do_sample=False, max_new_tokens=16))
+    assert loaded.config.feature_layers == [2, 4, 5] and output.speculative_stats.num_draft_tokens > 0
+    ids = torch.tensor([[5, 9, 2, 6, 5, 3, 7]])
+    with torch.no_grad():
+        hidden = deep(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i] for i in (2, 4, 5)], dim=-1)[:, :-1]
+        torch.testing.assert_close(loaded(ids[:, 1:], features=features).logits,
+                                   built(ids[:, 1:], features=features).logits)  # the .bin's weights, all of them
+
+
+def test_only_the_weights_file_the_folder_names_is_read(target, head, tmp_path):
+    head.save_pretrained(tmp_path)
+    stray = {name: torch.zeros_like(tensor) if tensor.is_floating_point() else tensor
+             for name, tensor in load_file(str(tmp_path / "model.safetensors")).items()}
+    save_file(stray, str(tmp_path / "model_v0.safetensors"))  # sorts after model.safetensors: once merged last
+    loaded = Eagle3Head.from_pretrained(tmp_path)
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    names = sorted(weights)
+    save_file({name: weights[name] for name in names[:3]}, str(tmp_path / "part-1.safetensors"))
+    save_file({name: weights[name] for name in names[3:]}, str(tmp_path / "part-2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: "part-1.safetensors" if i < 3 else "part-2.safetensors" for i, name in enumerate(names)}}))
+    (tmp_path / "model.safetensors").unlink()  # the index is looked for first anyway
+    sharded = Eagle3Head.from_pretrained(tmp_path)
+    torch.testing.assert_close(sharded.lm_head.weight, head.lm_head.weight)
+
+
+def test_a_missing_norm_before_residual_means_what_each_layout_s_readers_take(head, tmp_path):
+    head.save_pretrained(tmp_path / "speculators")
+    config = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "speculators" / "config.json").write_text(json.dumps(config))
+    assert Eagle3Head.from_pretrained(tmp_path / "speculators").config.norm_before_residual  # speculators, vLLM
+    assert not Eagle3Head.from_pretrained(_reference_folder(head, tmp_path / "ref")).config.norm_before_residual
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated config", r"config.json cannot be read as JSON"),
+    ("truncated weights", r"model.safetensors cannot be read as weights"),
+    ("zeroed weights", r"model.safetensors cannot be read as weights"),
+    ("string vocabulary", r"`draft_vocab_size` must be a positive integer, but is '21'"),
+    ("int64 fc", r"the weight `fc.weight` holds torch.int64 values"),
+    ("truncated bin", r"pytorch_model.bin cannot be read as weights"),
+    ("no weights", r"holds none of the weight files"),
+])
+def test_damaged_folders_are_refused_naming_the_folder_and_the_file(head, tmp_path, damage, message):
+    folder = tmp_path / "head"
+    head.save_pretrained(folder)
+    weights, config = folder / "model.safetensors", folder / "config.json"
+    if damage == "truncated config":
+        config.write_text(config.read_text()[:40])
+    elif damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:200])
+    elif damage == "zeroed weights":
+        weights.write_bytes(bytes(weights.stat().st_size))
+    elif damage == "string vocabulary":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "draft_vocab_size": "21"}))
+    elif damage == "int64 fc":
+        state = load_file(str(weights))
+        save_file({**state, "fc.weight": state["fc.weight"].long()}, str(weights))
+    elif damage == "truncated bin":
+        weights.unlink()
+        _reference_folder(head, folder)
+        (folder / "pytorch_model.bin").write_bytes((folder / "pytorch_model.bin").read_bytes()[:100])
+    else:
+        weights.unlink()
+    with pytest.raises((ValueError, FileNotFoundError), match=message) as error:
+        Eagle3Head.from_pretrained(folder)
+    assert str(folder) in str(error.value)
+
+
+def test_the_reference_layout_round_trips_and_says_what_sglang_reads(target, head, tmp_path):
+    head.save_pretrained(tmp_path, layout="reference")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 21
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]  # SGLang adds 1
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight"} <= names and not any(name.startswith("layers.") for name in names)
+    loaded = Eagle3Head.from_pretrained(tmp_path).attach(target)
+    assert loaded.config.feature_layers == AUX
+    ids = torch.tensor([[5, 9, 2, 6, 5, 3]])
+    features = features_of(target, ids)[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids[:, 1:], features=features).logits,
+                                   head(ids[:, 1:], features=features).logits)
+
+
+def test_export_refuses_what_a_layout_cannot_say_and_warns_what_servers_cannot_build(target, tmp_path):
+    residual = Eagle3Head.from_target(target, aux_layers=AUX, norm_before_residual=True)
+    with pytest.raises(ValueError, match="cannot be written in the reference layout .*norm_before_residual"):
+        residual.save_pretrained(tmp_path / "residual", layout="reference")
+    residual.save_pretrained(tmp_path / "residual")  # the speculators format says it
+    two = Eagle3Head.from_target(target, aux_layers=[1, 2])
+    with pytest.warns(UserWarning, match=r"vLLM and SGLang cannot serve this head: it reads 2 target layers"):
+        two.save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match="reads 2 target layers"):
+        two.save_pretrained(tmp_path / "two-reference", layout="reference")
+    with pytest.raises(ValueError, match="`layout` must be 'speculators' or 'reference', but is 'sglang'"):
+        two.save_pretrained(tmp_path / "x", layout="sglang")
+
+
+def test_target_layers_are_read_in_layer_order_whatever_order_the_config_lists(target, head, tmp_path):
+    head.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [2, 0, 1]}))
+    loaded = Eagle3Head.from_pretrained(tmp_path)
+    assert loaded.config.feature_layers == [0, 1, 2]  # vLLM appends each layer's state as its loop passes it
+    assert Eagle3Head.from_target(target, aux_layers=[2, 0, 1]).config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]

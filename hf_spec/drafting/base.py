@@ -63,6 +63,14 @@ class DraftContext:
     stop_below: float | None = None
 
 
+def not_a_transformers_draft(draft) -> str:
+    """What to say when transformers' own ``generate()`` (a model not made speculative) is handed an hf_spec draft."""
+    return (f"`assistant_model` is {type(draft).__name__}, an hf_spec draft, which only hf_spec's decoding loop runs; "
+            "this model's generate() is transformers' own. Make the model speculative first "
+            "(`model = hf_spec.speculative(model)`), or pass hf_spec's recipe as `custom_generate=` "
+            "(docs/generation.md).")
+
+
 class Drafter(abc.ABC):
     """Proposes draft tokens; keeps whatever state it has consistent with the loop's rollbacks.
 
@@ -74,6 +82,11 @@ class Drafter(abc.ABC):
     #: Whether its proposals count `Proposal.num_catch_up_tokens` (a draft model with its own cache): the cost probe
     #: then times its 2-token pass too, which auto k prices after a round accepted in full.
     reports_catch_up: bool = False
+
+    def __getattr__(self, name: str):
+        if name in ("config", "generation_config"):  # what transformers' own assisted generation reads first
+            raise AttributeError(not_a_transformers_draft(self))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @abc.abstractmethod
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:

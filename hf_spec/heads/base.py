@@ -27,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_spec.caches import new_cache
+from hf_spec.drafting.base import not_a_transformers_draft
 from hf_spec.forward import tree_attention_mask
 from hf_spec.heads.drafter import HeadDrafter, HeadTreeDrafter
 
@@ -37,6 +38,23 @@ class DraftHeadOutput:
     hidden_states: torch.Tensor  # [batch, positions, hidden] h: what the head reads in place of the next feature
 
 
+class TargetReference:
+    """A weak reference to the target a head is attached to. A deep copy of the head stays attached to the same
+    target; a pickled head is not (the target is not pickled with it): loaded, it attaches again on its first call."""
+
+    def __init__(self, target: PreTrainedModel | None = None):
+        self._reference = None if target is None else weakref.ref(target)
+
+    def __call__(self) -> PreTrainedModel | None:
+        return None if self._reference is None else self._reference()
+
+    def __deepcopy__(self, memo) -> TargetReference:
+        return self
+
+    def __reduce__(self):
+        return TargetReference, ()
+
+
 class DraftHeadBase(PreTrainedModel):
     """The interface above; subclasses build the network and say how they fit a target."""
 
@@ -45,14 +63,19 @@ class DraftHeadBase(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        self._target: weakref.ref | None = None  # the model `attach` read from
+        self._target: TargetReference | None = None  # the model `attach` read from
 
     def attach(self, target: PreTrainedModel) -> DraftHeadBase:
         """Read what the head takes from ``target`` (checked to fit: `check_target`); returns the head."""
         self.check_target(target)
         self._attach_layers(target)
-        self._target = weakref.ref(target)
+        self._target = TargetReference(target)
         return self
+
+    def __getattr__(self, name: str):
+        if name == "generation_config":  # what transformers' own assisted generation reads first
+            raise AttributeError(not_a_transformers_draft(self))
+        return super().__getattr__(name)
 
     def is_attached_to(self, target: PreTrainedModel) -> bool:
         return self._target is not None and self._target() is target

@@ -43,8 +43,13 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head):
         self.head = head  # a `hf_spec.heads.base.DraftHeadBase`
-        self.feature_layers = list(head.config.feature_layers)
         self.reset()
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """The target hidden states the head reads: known once `check` has attached it (a reference EAGLE-3
+        checkpoint names none until then)."""
+        return list(self.head.config.feature_layers)
 
     def check(self, target: PreTrainedModel, max_length: int) -> None:
         """The head must be on the target's device and built for it; it then reads what it takes from the target

@@ -24,6 +24,7 @@ Exactness does not depend on the head: the loop samples from the law the head gi
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,6 +44,7 @@ from hf_spec.heads.speculators import (
     layers_without_vocabulary,
     local_folder,
     read_checkpoint,
+    serving_problems,
     write_checkpoint,
 )
 
@@ -135,7 +137,7 @@ class Eagle3Head(DraftHeadBase):
         text = target.config.get_text_config()
         aux_layers = default_aux_layers(text.num_hidden_layers) if aux_layers is None else list(aux_layers)
         check_feature_layers(aux_layers, text.num_hidden_layers, "aux_layers")
-        aux_layers = [i % (text.num_hidden_layers + 1) for i in aux_layers]
+        aux_layers = sorted(i % (text.num_hidden_layers + 1) for i in aux_layers)  # layer order, as vLLM joins them
         kept = (torch.arange(text.vocab_size) if draft_vocab is None
                 else check_kept_ids(draft_vocab, text.vocab_size).sort().values)
         config = Eagle3HeadConfig(layer_config_for(target, num_layers), len(kept),
@@ -200,15 +202,22 @@ class Eagle3Head(DraftHeadBase):
         check_draft_vocabulary(head.d2t, head.t2d, str(folder))
         return head.to(dtype=dtype or state["fc.weight"].dtype).eval()
 
-    def save_pretrained(self, save_directory, state_dict: dict | None = None, **kwargs) -> None:
-        """Write the speculators format (``config.json`` and ``model.safetensors``; no embeddings), which
-        ``vllm serve``, SGLang and `from_pretrained` read."""
+    def save_pretrained(self, save_directory, state_dict: dict | None = None, layout: str = "speculators",
+                        **kwargs) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (no embeddings): the speculators format (``layout=
+        "speculators"``), which ``vllm serve`` and `from_pretrained` read, or EAGLE-3's reference layout
+        (``layout="reference"``: the layer under ``midlayer.*``), which SGLang's ``LlamaForCausalLMEagle3`` and
+        SafeAILab/EAGLE read; a head that layout cannot express is refused (`reference_problems`). A head that
+        vLLM and SGLang would not build (`serving_problems`) is written with a warning: hf_spec runs it."""
+        for problem in serving_problems(self.config):
+            warnings.warn(f"{save_directory}: written, but vLLM and SGLang cannot serve this head: {problem}.",
+                          stacklevel=2)
         state = self.state_dict() if state_dict is None else state_dict
         state = {name: value for name, value in state.items()
                  if not name.startswith(("embed_tokens", "verifier_lm_head", "rotary_emb"))}
         if self._own_embeddings:
             state["embed_tokens.weight"] = self.embed_tokens.weight
-        write_checkpoint(Path(save_directory), self.config, state, self.dtype)
+        write_checkpoint(Path(save_directory), self.config, state, self.dtype, layout)
 
     # What it takes from its target
 

@@ -66,11 +66,13 @@ class Eagle3HeadConfig(PretrainedConfig):
 
     @property
     def feature_layers(self) -> list[int]:
+        """The layers read, in layer order: vLLM and SGLang join the features as their layers go by, whatever order
+        the config lists them in."""
         if self.eagle_aux_hidden_state_layer_ids is None:
             raise ValueError("This EAGLE-3 head does not say which target layers it reads "
                              "(`eagle_aux_hidden_state_layer_ids`); attach it to its target first (`head.attach`), "
                              "which uses EAGLE-3's default [2, L // 2, L - 3].")
-        return list(self.eagle_aux_hidden_state_layer_ids)
+        return sorted(self.eagle_aux_hidden_state_layer_ids)
 
     def layer_config(self) -> PretrainedConfig:
         layers = dict(self.transformer_layer_config)
@@ -108,55 +110,181 @@ class Eagle3HeadConfig(PretrainedConfig):
 
     @classmethod
     def from_speculators(cls, config: dict, source: str) -> Eagle3HeadConfig:
-        """A speculators ``config.json``, or a reference EAGLE-3 one (a Llama config with ``draft_vocab_size``)."""
-        if config.get("speculators_model_type") == "eagle3":
+        """A speculators ``config.json``, or a reference EAGLE-3 one (SafeAILab/EAGLE: a Llama config with
+        ``draft_vocab_size``; SGLang's ``LlamaForCausalLMEagle3``). A missing ``norm_before_residual`` is what each
+        layout's readers take it to be: True in the speculators format (speculators, vLLM), False in the reference
+        layout (EAGLE's own code, SGLang)."""
+        layout = eagle3_layout(config)
+        if layout is None:
+            raise ValueError(f"{source} is not an EAGLE-3 head: its config.json has neither "
+                             "`speculators_model_type: \"eagle3\"` (the speculators format) nor a Llama config with "
+                             "`draft_vocab_size` (EAGLE-3's reference checkpoints).")
+        draft_vocab_size = config.get("draft_vocab_size")
+        if not (isinstance(draft_vocab_size, int) and not isinstance(draft_vocab_size, bool) and draft_vocab_size > 0):
+            raise ValueError(f"{source}: `draft_vocab_size` must be a positive integer, but is {draft_vocab_size!r}.")
+        if layout == "speculators":
             verifier = config.get("speculators_config", {}).get("verifier", {})
             methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
             if config.get("norm_before_fc") and config.get("fc_norm"):
                 raise ValueError(f"{source}: `norm_before_fc` and `fc_norm` exclude each other, but both are set.")
-            return cls(config["transformer_layer_config"], config["draft_vocab_size"],
-                       config.get("norm_before_residual", False), config.get("norm_before_fc", False),
+            if not isinstance(config.get("transformer_layer_config"), dict):
+                raise ValueError(f"{source}: `transformer_layer_config` must be a layer config (a dict), but is "
+                                 f"{config.get('transformer_layer_config')!r}.")
+            return cls(config["transformer_layer_config"], draft_vocab_size,
+                       config.get("norm_before_residual", True), config.get("norm_before_fc", False),
                        config.get("fc_norm", False), config.get("norm_output", False),
                        config.get("target_hidden_size"), config.get("eagle_aux_hidden_state_layer_ids"),
                        verifier.get("name_or_path"), verifier.get("architectures"),
                        methods[0].get("speculative_tokens", 3))
-        if "draft_vocab_size" in config and any("eagle3" in name.lower() for name in config.get("architectures", [])):
-            layers = {key: value for key, value in config.items()
-                      if key not in ("architectures", "draft_vocab_size", "target_hidden_size")}
-            layers["model_type"] = "llama"
-            layers["num_hidden_layers"] = 1
-            return cls(layers, config["draft_vocab_size"], target_hidden_size=config.get("target_hidden_size"))
-        raise ValueError(f"{source} is not an EAGLE-3 head: its config.json has neither "
-                         "`speculators_model_type: \"eagle3\"` (the speculators format) nor an Eagle3 architecture "
-                         "with `draft_vocab_size` (EAGLE-3's reference checkpoints).")
+        if config.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{source}: a reference EAGLE-3 checkpoint has one layer (`midlayer`), but its config "
+                             f"says num_hidden_layers={config.get('num_hidden_layers')!r}.")
+        layers = {key: value for key, value in config.items() if key not in REFERENCE_FIELDS}
+        layers["model_type"], layers["num_hidden_layers"] = "llama", 1
+        sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(layers, draft_vocab_size, norm_before_residual=config.get("norm_before_residual", False),
+                   target_hidden_size=config.get("target_hidden_size"),
+                   eagle_aux_hidden_state_layer_ids=None if sglang_ids is None else [i + 1 for i in sglang_ids])
+
+    def to_reference(self) -> dict:
+        """The ``config.json`` of EAGLE-3's reference layout, the one SGLang's ``LlamaForCausalLMEagle3`` loads:
+        the layer's Llama config with ``draft_vocab_size`` and ``target_hidden_size``; the layers read go under
+        ``eagle_config`` as SGLang counts them (the output of layer i, which is our id i + 1)."""
+        problems = reference_problems(self)
+        if problems:
+            raise ValueError("This EAGLE-3 head cannot be written in the reference layout (SGLang, SafeAILab/EAGLE): "
+                             + "; ".join(problems) + ". Write the speculators format (`layout=\"speculators\"`), "
+                             "which vLLM serves, instead.")
+        values = {key: value for key, value in self.transformer_layer_config.items() if key != "model_type"}
+        values.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                      draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.target_hidden_size)
+        if self.eagle_aux_hidden_state_layer_ids is not None:
+            values["eagle_config"] = {"use_aux_hidden_state": True,
+                                      "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers]}
+        return values
+
+
+#: Reference-layout config fields that are not the layer's.
+REFERENCE_FIELDS = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual")
+#: Weight files a checkpoint folder names, in the order they are looked for (transformers' names).
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin")
+
+
+def eagle3_layout(config: dict) -> str | None:
+    """``"speculators"``, ``"reference"`` (a Llama config with ``draft_vocab_size``: SafeAILab/EAGLE's, SGLang's),
+    or ``None`` when ``config`` (a parsed ``config.json``) is not an EAGLE-3 head's."""
+    if config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if "draft_vocab_size" in config and "speculators_model_type" not in config and \
+            config.get("model_type", "llama") == "llama":
+        return "reference"
+    return None
+
+
+def serving_problems(config: Eagle3HeadConfig) -> list[str]:
+    """What vLLM's and SGLang's EAGLE-3 loaders would not build as this head is: they make ``fc`` for exactly three
+    target layers."""
+    ids = config.eagle_aux_hidden_state_layer_ids
+    return [] if ids is None or len(ids) == 3 else [
+        f"it reads {len(ids)} target layers ({ids}), and vLLM and SGLang build `fc` for exactly 3"]
+
+
+def reference_problems(config: Eagle3HeadConfig) -> list[str]:
+    """What the reference layout (SGLang's ``LlamaForCausalLMEagle3``, EAGLE's own code) cannot say of this head."""
+    layers = config.transformer_layer_config
+    found = {
+        f"its layers are {layers.get('model_type')!r}, not 'llama'": layers.get("model_type") != "llama",
+        f"it has {layers.get('num_hidden_layers')} layers, not one `midlayer`": layers.get("num_hidden_layers") != 1,
+        "its q/k/v have biases": bool(layers.get("attention_bias")),
+        "it normalizes before the residual (`norm_before_residual`)": config.norm_before_residual,
+        "it normalizes the features (`norm_before_fc`, `fc_norm`)": config.norm_before_fc or config.fc_norm,
+        "it feeds back normalized states (`norm_output`)": config.norm_output,
+    }
+    return serving_problems(config) + [problem for problem, holds in found.items() if holds]
 
 
 def read_checkpoint(folder: Path) -> tuple[Eagle3HeadConfig, dict[str, torch.Tensor]]:
-    """The config and the weights of ``folder`` (speculators names; a reference checkpoint's ``midlayer.*``
-    renamed)."""
-    from safetensors.torch import load_file
-
-    config = Eagle3HeadConfig.from_speculators(json.loads((folder / "config.json").read_text()), str(folder))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} holds no *.safetensors weights.")
+    """The config and the weights of ``folder`` (the weights file, or the index, it names: `WEIGHT_FILES`; a reference
+    checkpoint's ``midlayer.*`` renamed). A damaged file is refused naming the folder and the file."""
+    config = Eagle3HeadConfig.from_speculators(read_json(folder / "config.json"), str(folder))
     state = {}
-    for file in files:
-        state.update(load_file(str(file)))
+    for file in weight_files(folder):
+        state.update(_load_weights(file))
+    for name, value in state.items():
+        if name not in ("d2t", "t2d") and not value.is_floating_point():
+            raise ValueError(f"{folder}: the weight `{name}` holds {value.dtype} values, not floating-point ones; the "
+                             "checkpoint is damaged.")
     return config, {(("layers.0." + name[len(REFERENCE_PREFIX):]) if name.startswith(REFERENCE_PREFIX) else name):
                     value for name, value in state.items()}
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; an unreadable or damaged file is refused by name."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({error}); the file is damaged or missing.") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} holds {type(values).__name__}, not a JSON object; the file is damaged.")
+    return values
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files ``folder`` names: the first of `WEIGHT_FILES` it holds (an index: the files it maps to).
+    Other files beside them (a stray ``model_v0.safetensors``) are never read."""
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [path]
+        weight_map = read_json(path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{path} has no `weight_map`; the index is damaged.")
+        files = [folder / file for file in sorted(set(weight_map.values()))]
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path} names weight files {folder} does not hold: {missing}.")
+        return files
+    raise FileNotFoundError(f"{folder} holds none of the weight files {list(WEIGHT_FILES)}.")
+
+
+def _load_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors or PyTorch (``.bin``, read with ``weights_only``) file."""
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(file))
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors, pickle and zip readers each raise their own kinds
+        raise ValueError(f"{file} cannot be read as weights ({type(error).__name__}: {error}); the file is "
+                         "damaged.") from error
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        raise ValueError(f"{file} does not hold a dict of tensors; the file is damaged.")
+    return state
+
+
 def write_checkpoint(folder: Path, config: Eagle3HeadConfig, state: dict[str, torch.Tensor],
-                     dtype: torch.dtype) -> None:
-    """``config.json`` (`Eagle3HeadConfig.to_speculators`) and ``model.safetensors`` in ``folder``."""
+                     dtype: torch.dtype, layout: str = "speculators") -> None:
+    """``config.json`` and ``model.safetensors`` in ``folder``: the speculators format
+    (`Eagle3HeadConfig.to_speculators`), or the reference layout (`Eagle3HeadConfig.to_reference`, the layer under
+    ``midlayer.*``)."""
     from safetensors.torch import save_file
 
-    folder.mkdir(parents=True, exist_ok=True)
-    values = config.to_speculators()
+    if layout not in ("speculators", "reference"):
+        raise ValueError(f"`layout` must be 'speculators' or 'reference', but is {layout!r}.")
     name = str(dtype).removeprefix("torch.")
-    values["transformer_layer_config"] = {**values["transformer_layer_config"], "dtype": name}
+    if layout == "speculators":
+        values = config.to_speculators()
+        values["transformer_layer_config"] = {**values["transformer_layer_config"], "dtype": name}
+    else:
+        values = config.to_reference()
+        state = {(REFERENCE_PREFIX + key[len("layers.0."):]) if key.startswith("layers.0.") else key: value
+                 for key, value in state.items()}
     values["dtype"] = name
+    folder.mkdir(parents=True, exist_ok=True)
     save_file({key: value.detach().contiguous().cpu() for key, value in state.items()},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
@@ -226,15 +354,11 @@ def local_folder(name: str, **kwargs) -> Path:
         return folder
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"],
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.bin"],
                                   **{key: kwargs[key] for key in ("revision", "token", "cache_dir") if key in kwargs}))
 
 
 def is_eagle3_folder(name: str) -> bool:
     """Whether ``name`` is a local folder holding an EAGLE-3 head (speculators format or reference)."""
     config = Path(name) / "config.json"
-    if not config.is_file():
-        return False
-    values = json.loads(config.read_text())
-    return values.get("speculators_model_type") == "eagle3" or (
-        "draft_vocab_size" in values and any("eagle3" in a.lower() for a in values.get("architectures", [])))
+    return config.is_file() and eagle3_layout(read_json(config)) is not None

@@ -26,26 +26,40 @@ def dispatching(model: PreTrainedModel, path):
     value after each. Code outside hf_spec running in another thread during a 1-token pass sees oneDNN off for that
     pass (docs/cpu_kernels.md).
     """
-    passes = threading.local()  # per thread, innermost pass last: the flag before it
+    if path.aten_max_rows > 0:
+        switch = OneDNNSwitch(path)
+        _HANDLES[model] = (model.register_forward_pre_hook(switch.before, with_kwargs=True),
+                           model.register_forward_hook(switch.after, always_call=True))
+    return path
 
-    def before(module, args, kwargs):
+
+class OneDNNSwitch:
+    """The hooks of one dispatching model (see `dispatching`); an object, not closures, so that the model pickles.
+    Its per-thread stacks (the flag before each pass, innermost last) are not pickled: a copy starts with none."""
+
+    def __init__(self, path):
+        self.path = path
+        self._passes = threading.local()
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def before(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids.numel() if ids is not None else kwargs["inputs_embeds"].shape[:-1].numel()
         ONEDNN_SWITCH.acquire()
-        passes.__dict__.setdefault("stack", []).append(torch.backends.mkldnn.enabled)
-        if rows <= path.aten_max_rows:
+        self._passes.__dict__.setdefault("stack", []).append(torch.backends.mkldnn.enabled)
+        if rows <= self.path.aten_max_rows:
             torch.backends.mkldnn.enabled = False
 
-    def after(module, args, output):
-        saved = passes.__dict__.get("stack")
+    def after(self, module, args, output) -> None:
+        saved = self._passes.__dict__.get("stack")
         if saved:
             torch.backends.mkldnn.enabled = saved.pop()
             ONEDNN_SWITCH.release()
-
-    if path.aten_max_rows > 0:
-        _HANDLES[model] = (model.register_forward_pre_hook(before, with_kwargs=True),
-                           model.register_forward_hook(after, always_call=True))
-    return path
 
 
 def stop_dispatch(model: PreTrainedModel) -> None:
