@@ -35,6 +35,7 @@ from transformers.masking_utils import create_causal_mask
 
 from hf_spec.drafting.vocabulary import check_kept_ids
 from hf_spec.heads.base import DraftHeadBase, DraftHeadOutput, check_feature_layers
+from hf_spec.heads.checkpoints import local_folder, read_checkpoint, write_checkpoint
 from hf_spec.heads.shared import FrozenEmbedding, FrozenLinear, target_layers
 from hf_spec.heads.speculators import (
     Eagle3HeadConfig,
@@ -42,10 +43,7 @@ from hf_spec.heads.speculators import (
     default_aux_layers,
     layer_config_for,
     layers_without_vocabulary,
-    local_folder,
-    read_checkpoint,
     serving_problems,
-    write_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -204,11 +202,9 @@ class Eagle3Head(DraftHeadBase):
 
     def save_pretrained(self, save_directory, state_dict: dict | None = None, layout: str = "speculators",
                         **kwargs) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (no embeddings): the speculators format (``layout=
-        "speculators"``), which ``vllm serve`` and `from_pretrained` read, or EAGLE-3's reference layout
-        (``layout="reference"``: the layer under ``midlayer.*``), which SGLang's ``LlamaForCausalLMEagle3`` and
-        SafeAILab/EAGLE read; a head that layout cannot express is refused (`reference_problems`). A head that
-        vLLM and SGLang would not build (`serving_problems`) is written with a warning: hf_spec runs it."""
+        """``config.json`` and ``model.safetensors`` (no embeddings) in the speculators format, which vLLM reads, or
+        (``layout="reference"``) EAGLE-3's reference layout, which SGLang reads; what a layout cannot say is refused,
+        what vLLM and SGLang cannot build is warned about (`hf_spec.heads.speculators.serving_problems`)."""
         for problem in serving_problems(self.config):
             warnings.warn(f"{save_directory}: written, but vLLM and SGLang cannot serve this head: {problem}.",
                           stacklevel=2)

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from hf_spec.heads.base import DraftHeadBase
+from hf_spec.heads.checkpoints import is_eagle3_folder
 from hf_spec.heads.eagle3 import Eagle3Head
 from hf_spec.heads.model import DraftHead, DraftHeadConfig
-from hf_spec.heads.speculators import is_eagle3_folder
 
 
 def head_kind(name: str) -> str | None:
