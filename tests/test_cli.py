@@ -137,3 +137,23 @@ def test_the_writable_check_holds_when_processes_check_one_folder_at_once(tmp_pa
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(check_many, range(4)))  # re-raises the first ValueError of any thread
     assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"
+
+
+def test_json_of_the_training_commands_is_one_document_on_stdout(capsys, tmp_path):
+    """The Trainer prints its log dicts; with --json they go to stderr, and stdout parses."""
+    tiny = ["--target", "tiny", "--threads", "1", "--num-texts", "4", "--max-new-tokens", "8"]
+    distilled = run_json(capsys, ["distill", *tiny, "--draft", "tiny", "--output-dir", str(tmp_path / "d"),
+                                  "--max-steps", "2"])
+    assert distilled["train_sequences"] == 4
+    trained = run_json(capsys, ["train-head", *tiny, "--output-dir", str(tmp_path / "h"), "--max-steps", "2",
+                                "--eval-steps", "1"])
+    assert trained["log_history"]
+
+
+def test_bench_json_without_a_plot_needs_no_matplotlib(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as where it is not installed
+    argv = ["bench", *TINY, "--prompts", "1", "--max-new-tokens", "4", "--workloads", "code", "--methods", "hf_spec",
+            "--no-progress", "--plot", str(tmp_path / "b.png"), "--output", str(tmp_path / "b.json")]
+    assert main(argv) == 2 and "--no-plot" in capsys.readouterr().err
+    report = run_json(capsys, [*argv, "--no-plot"])
+    assert "hf_spec" in report["config"]["methods"] and not (tmp_path / "b.png").exists()

@@ -9,6 +9,7 @@ code 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -52,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     for option in ("target", "draft"):  # the names the loaders will use ($HF_SPEC_MODELS=tiny: the tiny pair)
         if isinstance(getattr(args, option, None), str):
             setattr(args, option, model_name(getattr(args, option)))
+    args.report_stream = sys.stdout  # where `emit` writes; with --json nothing else may write there (a Trainer's logs)
     try:
-        return args.run(args)
+        with contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext():
+            return args.run(args)
     except Exception as error:
         if args.debug:
             raise

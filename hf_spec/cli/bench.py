@@ -88,20 +88,23 @@ def add_parser(commands) -> None:
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile hf_spec's loop, where each call's time goes (default: on a CPU; on a GPU it "
                              "synchronizes the device at each step)")
-    parser.add_argument("--plot", default="bench.png", metavar="PATH", help="the plot (PNG)")
+    parser.add_argument("--plot", default="bench.png", metavar="PATH", help="the plot (PNG; needs matplotlib)")
+    parser.add_argument("--no-plot", action="store_true", help="no plot (matplotlib is then not needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     check_writable(args.output, "--output")
-    check_writable(args.plot, "--plot")
+    if not args.no_plot:
+        check_writable(args.plot, "--plot")
     if args.quantize and args.quantize in args.variants:
         raise ValueError(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
     if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
         raise ValueError(f"--min-new-tokens {args.min_new_tokens}: more than --max-new-tokens {args.max_new_tokens}.")
-    require("matplotlib", "cli", "hf-spec bench's plot")
+    if not args.no_plot:
+        require("matplotlib", "cli", "hf-spec bench's plot (or pass --no-plot)")
     pair = load_models(args)
     workloads = tuple(dict.fromkeys(args.workloads))
     if args.target == TINY:
@@ -130,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
                             draft_quantization=args.quantize_draft,
                             cpu_paths={role: None if path is None else dataclasses.asdict(path)
                                        for role, path in (("target", pair.target_path), ("draft", pair.draft_path))})
-    plot(report, args.plot)
-    log(f"wrote {args.plot}")
+    if not args.no_plot:
+        plot(report, args.plot)
+        log(f"wrote {args.plot}")
     emit(args, report, format_table(report))
     return 0
 

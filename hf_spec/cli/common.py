@@ -250,7 +250,8 @@ def emit(args: argparse.Namespace, report: dict, text: str | None = None) -> Non
     if args.output:
         Path(args.output).expanduser().write_text(document)
         log(f"wrote {args.output}")
+    stream = getattr(args, "report_stream", None) or sys.stdout
     if args.json:
-        print(document, flush=True)
+        print(document, file=stream, flush=True)
     elif text is not None:
-        print(text, flush=True)
+        print(text, file=stream, flush=True)
