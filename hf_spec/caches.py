@@ -222,6 +222,18 @@ def fit_prompt(cache: Cache, prompt_length: int) -> None:
         crop_to(cache, prompt_length - 1)
 
 
+def check_cache_rows(cache: Cache, batch_size: int, argument: str) -> None:
+    """A filled cache must hold one row per row of the input (its first filled layer says how many it holds)."""
+    for layer in cache.layers:
+        states = [getattr(layer, name, None) for name in ("keys", "conv_states", "recurrent_states")]
+        held = next((tensor.shape[0] for tensor in states if isinstance(tensor, torch.Tensor) and tensor.numel()), None)
+        if held is not None and held != batch_size and cache_length(cache) > 0:
+            raise ValueError(f"`{argument}` holds {held} rows, but `input_ids` has {batch_size}; pass the cache of "
+                             "this batch (or none).")
+        if held is not None:
+            return
+
+
 def keep_tree_path(cache: Cache, num_committed: int, columns: list[int]) -> None:
     """Keep the first ``num_committed`` positions and, after them, the positions ``num_committed + columns`` in that
     order (a tree's accepted path: its keys and values were computed at the positions the path now has, so they are

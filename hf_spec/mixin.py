@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_spec.caches import fit_prompt, model_type, prepare_for_rollback, static_length
+from hf_spec.caches import check_cache_rows, fit_prompt, model_type, prepare_for_rollback, static_length
 from hf_spec.compat import (
     check_generation_hooks,
     forgetting_output_capture,
@@ -218,8 +218,10 @@ class SpeculativeGenerationMixin(GenerationMixin):
             raise ValueError(f"The model {model_type(self)} made no cache for generate() to hand over (it builds a "
                              "cache of its own inside its forward pass), and speculative decoding rolls the cache back "
                              "after every round; hf_spec cannot speculate with this model.")
-        prepare_for_rollback(target_cache, "cache", rounds.max_drafted + 1, model_type(self))
-        target_cache = sized_static_cache(self, target_cache, input_ids, generation_config, rounds.max_drafted)
+        max_pass = rounds.max_pass(generation_config.max_length - input_ids.shape[1])
+        prepare_for_rollback(target_cache, "cache", max_pass + 1, model_type(self))
+        target_cache = sized_static_cache(self, target_cache, input_ids, generation_config, max_pass)
+        check_cache_rows(target_cache, batch_size, "cache")
         fit_prompt(target_cache, input_ids.shape[1])
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
 

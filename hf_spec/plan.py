@@ -279,7 +279,16 @@ def sized_static_cache(model: PreTrainedModel, cache, input_ids: torch.Tensor, g
     refused."""
     length = static_length(cache)
     if length is None:
+        if generation_config.compile_config is not None and not generation_config.disable_compile:
+            raise ValueError("`compile_config` compiles the passes of a static cache; pass "
+                             "`cache_implementation='static'`, or a static cache as `cache=` (a dynamic cache's "
+                             "shapes change every round).")
         return cache
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and max_drafted > positions:  # only a tree's budget can be (a chain's is capped)
+        raise ValueError(f"`num_tree_nodes`={max_drafted} is more than the model's {positions} positions "
+                         "(`max_position_embeddings`), and a static cache is sized for the largest tree; pass a "
+                         "smaller budget, or use the default dynamic cache.")
     needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], generation_config.max_length,
                                  max_drafted)
     user_length = generation_config.max_cache_len

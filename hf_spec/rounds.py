@@ -96,6 +96,10 @@ class Rounds(abc.ABC):
             return sizer.num_draft_tokens
         return DEFAULT_MAX_DRAFT_TOKENS
 
+    def max_pass(self, max_new_tokens: int) -> int:
+        """The most tokens a round of a call of ``max_new_tokens`` drafts: what a static cache is sized for."""
+        return self.max_drafted
+
     @abc.abstractmethod
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal | DraftTree:
         """1. The round's draft, sized by the sizer, at most ``tokens_left`` deep."""
@@ -133,6 +137,9 @@ class ChainRounds(Rounds):
 
     def __init__(self, drafter: Drafter, sizer, stop_below: float | None = None):
         self.drafter, self.sizer, self.stop_below = drafter, sizer, stop_below
+
+    def max_pass(self, max_new_tokens: int) -> int:
+        return min(self.max_drafted, max_new_tokens)  # a chain never drafts past the answer's end
 
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal:
         limit = tokens_left if self.draft_cap is None else min(tokens_left, self.draft_cap)

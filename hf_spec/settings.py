@@ -93,16 +93,18 @@ SETTINGS: dict[str, Treatment] = {
     "cache_config": Treatment(TRANSFORMERS, "passed to the cache transformers builds"),
     "max_cache_len": Treatment(HONOURED, "sizes a static cache (of the target and of a draft model); it must hold "
                                "`max_length` positions, or the call is refused before any pass; one too small for "
-                               "the drafts and a batch's holes is enlarged to what the call needs"),
+                               "the drafts and a batch's holes is enlarged to what the call needs",
+                               lambda value, config: None if value is None or (
+                                   isinstance(value, int) and not isinstance(value, bool) and value > 0) else
+                               "`max_cache_len` must be a positive integer."),
     "prefill_chunk_size": Treatment(WARNED, "hf_spec's first round feeds the whole prompt in one pass", _not(
         None, "`prefill_chunk_size` is not used by speculative decoding: its first round feeds the whole prompt "
         "in one target pass.")),
     "compile_config": Treatment(
         HONOURED, "with a static cache, the target's verify passes and a draft model's steps run compiled "
         "(`torch.compile` with its mode, backend and fullgraph; widths padded to a few sizes, `hf_spec.compiled`); "
-        "without one it is refused", lambda value, config: None if value is None or config.cache_implementation ==
-        "static" else ("`compile_config` compiles the passes of a static cache; pass "
-                       "`cache_implementation='static'` too (a dynamic cache's shapes change every round).")),
+        "without one (`cache_implementation='static'`, or a static cache passed as `cache=`) it is refused before any "
+        "pass (`hf_spec.plan.sized_static_cache`)"),
     "disable_compile": Treatment(HONOURED, "no pass is compiled, whatever `compile_config` says"),
     "continuous_batching_config": Treatment(TRANSFORMERS, "`cache_implementation='paged'` switches to transformers' "
                                             "continuous batching, which refuses an assistant model"),

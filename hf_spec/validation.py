@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.configuration_utils import GenerationMode
 
 from hf_spec.compat import ignores_recurrent_recording, records_recurrent_states
@@ -94,6 +94,12 @@ def _validate_sampling_settings(generation_config: GenerationConfig) -> None:
 def _validate_tokenizers(generation_mode_kwargs: dict[str, Any]) -> None:
     """``assistant_tokenizer`` needs ``tokenizer``: the draft reads the target's text (`hf_spec.drafting
     .cross_tokenizer`)."""
+    for name in ("tokenizer", "assistant_tokenizer"):
+        given = generation_mode_kwargs.get(name)
+        if given is not None and not isinstance(given, PreTrainedTokenizerBase):
+            hint = f" (load it: AutoTokenizer.from_pretrained({given!r}))" if isinstance(given, str) else ""
+            raise TypeError(f"`{name}` must be a tokenizer (a transformers PreTrainedTokenizerBase), but is "
+                            f"{type(given).__name__} {given!r:.60}{hint}.")
     has_draft_tokenizer = generation_mode_kwargs.get("assistant_tokenizer") is not None
     if has_draft_tokenizer and generation_mode_kwargs.get("tokenizer") is None:
         raise ValueError("`assistant_tokenizer` was given without `tokenizer`; pass both or neither.")
@@ -138,6 +144,8 @@ def validate_input_types(input_ids: Any, attention_mask: Any) -> None:
                          "the batch dimension with input_ids.unsqueeze(0).")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"`input_ids` must hold integer token ids, but has dtype {input_ids.dtype}.")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"`input_ids` must hold at least one row, but has shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] == 0:
         raise ValueError(f"`input_ids` must hold at least one token per row, but has shape {tuple(input_ids.shape)}: "
                          "speculative decoding continues a prompt (start it with the BOS token if you have none).")

@@ -376,3 +376,42 @@ def test_the_draft_reports_the_tokens_its_first_pass_catches_up_on(small_target,
         assert drafted[0] > 1  # the prompt, re-tokenized
         assert any(num_catch_up >= 1 for num_catch_up in drafted[1:]), reports  # the bonus token and more
     assert widths and all(passes == [1, 2] for passes in widths), widths
+
+
+def test_a_draft_whose_own_tokens_pass_its_position_table_is_refused_by_name(target):
+    """generate() checks the target's token count against a learned position table; a draft tokenizer that adds a
+    BOS token reads one more position than the target's count, which only the drafter can see."""
+    from tokenizers import processors
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    draft_tokenizer = letters_tokenizer(16)
+    draft_tokenizer.add_special_tokens({"bos_token": "<s>"})
+    draft_tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", draft_tokenizer.bos_token_id)])
+    draft = GPT2LMHeadModel(GPT2Config(vocab_size=len(draft_tokenizer), n_positions=16, n_embd=64, n_layer=1,
+                                       n_head=2)).eval()
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with pytest.raises(ValueError, match=r"`assistant_model` has a table of 16 learned positions, but its tokenizer"):
+        target.generate(prompt, assistant_model=draft, tokenizer=letters_tokenizer(16),
+                        assistant_tokenizer=draft_tokenizer, max_new_tokens=8, num_assistant_tokens=4,
+                        do_sample=False)
+
+
+def test_the_tiny_pair_with_two_tokenizers_stands_in_for_a_draft_of_another_family(tmp_path, monkeypatch):
+    """Offline, the cross-tokenizer example (SmolLM2 drafting for Qwen) becomes the tiny pair with two tokenizers,
+    not silently a same-tokenizer pair; saved, each model keeps its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_SPEC_MODELS", "tiny")
+    pair = hf_spec.load_pair(draft="smollm2-135m-instruct", optimize=False)
+    assert pair.draft_tokenizer is not None and len(pair.draft_tokenizer) != len(pair.tokenizer)
+    text = "def fibonacci(n):"
+    assert len(pair.draft_tokenizer(text).input_ids) < len(pair.tokenizer(text).input_ids)  # merges: other tokens
+    inputs = pair.tokenizer([text], return_tensors="pt")
+    output = pair.target.generate(**inputs, **pair.assistant(), max_new_tokens=12, do_sample=False,
+                                  return_dict_in_generate=True)
+    with hf_spec.without_speculation(pair.target):
+        assert torch.equal(output.sequences, pair.target.generate(**inputs, max_new_tokens=12, do_sample=False))
+    assert output.speculative_stats.num_draft_tokens > 0
+    _, draft_dir = pair.save(tmp_path)
+    assert len(AutoTokenizer.from_pretrained(draft_dir)) == len(pair.draft_tokenizer)

@@ -1,6 +1,7 @@
 """Every code block in the README and the docs runs, on the tiny pair.
 
-Python blocks of one page run in order in one fresh interpreter (later blocks see what earlier ones defined);
+Python blocks of one page run in order, each in a fresh interpreter with nothing added (a block copied alone must
+run: it imports what it uses and defines what it reads; files an earlier block wrote stay);
 ``hf-spec`` commands in bash blocks run through the command line. ``$HF_SPEC_MODELS=tiny`` makes `load_pair` and
 the command line load the built-in tiny pair whatever names a block gives, so the examples that load the real pair
 run in seconds here and as written elsewhere. A block that cannot run here (an install command, a GPU, a multi-GPU
@@ -29,7 +30,8 @@ def blocks(page: Path) -> list[tuple[str, str, str | None]]:
 
 
 def environment() -> dict:
-    return {**os.environ, "HF_SPEC_MODELS": "tiny", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    return {**os.environ, "HF_SPEC_MODELS": "tiny", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1"}  # one thread, as the tests: set outside the code, not added to it
 
 
 def test_every_page_has_blocks_and_every_skip_says_why():
@@ -45,11 +47,12 @@ def test_the_python_blocks_of_a_page_run(page, tmp_path):
     code = [code for language, code, reason in blocks(page) if language == "python" and reason is None]
     if not code:
         pytest.skip("no python block")
-    script = tmp_path / "page.py"
-    script.write_text("import torch\ntorch.set_num_threads(1)\n" + "\n\n".join(code))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment(), capture_output=True,
-                            text=True, timeout=900, check=False)
-    assert result.returncode == 0, f"{page.name}:\n{result.stderr[-4000:]}"
+    for number, block in enumerate(code, start=1):
+        script = tmp_path / f"block{number}.py"
+        script.write_text(block)
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment(), capture_output=True,
+                                text=True, timeout=900, check=False)
+        assert result.returncode == 0, f"{page.name}, python block {number}:\n{result.stderr[-4000:]}"
 
 
 def commands(page: Path) -> list[str]:

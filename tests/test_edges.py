@@ -171,3 +171,78 @@ def test_edges_hold_without_asserts():
                             check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("refused: `input_ids`") == 2 and result.stdout.strip().endswith("ok")
+
+
+# --- Arguments that crashed without saying which -------------------------------------------------------------------
+
+def test_bad_arguments_are_refused_naming_them_before_any_pass(target, close_draft):
+    from transformers import AutoTokenizer  # noqa: F401  (what the message tells a user to call)
+
+    cases = [
+        ({"tokenizer": "gpt2", "assistant_tokenizer": "gpt2"}, TypeError,
+         r"`tokenizer` must be a tokenizer .* but is str 'gpt2' \(load it: AutoTokenizer.from_pretrained"),
+        ({"input_ids": torch.zeros(0, 5, dtype=torch.long)}, ValueError, r"`input_ids` must hold at least one row"),
+        ({"cache_implementation": "static", "max_cache_len": "abc"}, ValueError,
+         r"`max_cache_len` must be a positive integer"),
+        ({"cache_implementation": "static", "num_tree_nodes": 100_000}, ValueError,
+         r"`num_tree_nodes`=100000 is more than the model's \d+ positions"),
+    ]
+    for extra, kind, message in cases:
+        inputs = {"input_ids": PROMPT, **extra}
+        with pytest.raises(kind, match=message):
+            target.generate(assistant_model=close_draft, max_new_tokens=4, do_sample=False, **inputs)
+
+
+def test_a_filled_cache_of_another_batch_size_is_refused_naming_it(target, close_draft):
+    output = target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=4, do_sample=False,
+                             return_dict_in_generate=True)
+    with pytest.raises(ValueError, match=r"`cache` holds 1 rows, but `input_ids` has 2"):
+        target.generate(output.sequences.repeat(2, 1), assistant_model=close_draft, cache=output.cache,
+                        max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+
+
+def test_a_huge_k_with_a_static_cache_sizes_it_for_the_call(target, close_draft):
+    from hf_spec.caches import static_length
+
+    output = target.generate(PROMPT, assistant_model=close_draft, num_assistant_tokens=100_000, max_new_tokens=6,
+                             cache_implementation="static", do_sample=False, return_dict_in_generate=True)
+    assert static_length(output.cache) == 256  # sized for drafts of at most 6 tokens, not 100,000
+    assert torch.equal(output.sequences, target_only(target, PROMPT, max_new_tokens=6, do_sample=False))
+
+
+def test_a_returned_static_cache_continues_compiled(target, close_draft):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    first = target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=4, cache_implementation="static",
+                            do_sample=False, return_dict_in_generate=True)
+    output = target.generate(first.sequences, assistant_model=close_draft, cache=first.cache, max_new_tokens=4,
+                             compile_config=CompileConfig(backend="eager"), do_sample=False)
+    assert torch.equal(output, target_only(target, PROMPT, max_new_tokens=8, do_sample=False))
+    with pytest.raises(ValueError, match="`compile_config` compiles the passes of a static cache"):
+        target.generate(PROMPT, assistant_model=close_draft, max_new_tokens=4,
+                        compile_config=CompileConfig(backend="eager"), do_sample=False)
+
+
+def test_a_corpus_of_texts_is_refused_naming_the_entry():
+    from hf_spec.drafting.suffix import SuffixDrafter
+
+    with pytest.raises(TypeError, match=r"`corpus`\[1\] is text \('def f'\); the corpus holds token ids"):
+        SuffixDrafter(corpus=[[1, 2, 3], "def f"])
+    with pytest.raises(TypeError, match=r"`corpus`\[0\] must be a sequence of token ids, but is dict"):
+        SuffixDrafter(corpus=[{"a": 1}])
+
+
+def test_a_packed_model_lists_every_weight_and_pickles():
+    import pickle
+
+    from hf_spec.loading.packed import deoptimize, optimize
+
+    model = speculative(make_tiny_model(seed=3, vocab_size=64).to(torch.bfloat16))
+    expected = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    counted = sum(parameter.numel() for parameter in model.parameters())
+    assert optimize(model, path="packed").name == "packed"
+    assert sum(parameter.numel() for parameter in model.parameters()) == counted
+    restored = pickle.loads(pickle.dumps(model))
+    assert torch.equal(restored.generate(PROMPT, max_new_tokens=6, do_sample=False), expected)
+    deoptimize(model)
+    assert sum(parameter.numel() for parameter in model.parameters()) == counted

@@ -45,7 +45,7 @@ from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is
 from hf_spec.drafting.costs import forward_seconds
 from hf_spec.drafting.lookup import point_mass_proposal
 from hf_spec.drafting.model import check_draft_model
-from hf_spec.forward import forward_missing, has_invalid_values
+from hf_spec.forward import forward_missing, has_invalid_values, position_table
 from hf_spec.rows import RaggedBatch
 
 _MAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target tokenizer -> {draft tokenizer -> map}
@@ -118,6 +118,7 @@ class CrossTokenizerDrafter(Drafter):
         size = int(target_ids.max()) + 1
         self.to_draft = torch.full((max(size, len(tokenizer)),), self.fallback, device=device)  # target id -> draft id
         self.to_draft[self.target_ids] = self.draft_ids
+        self.table = position_table(model)  # learned positions (GPT-2's 1024), or None
         self.reset()
 
     def reset(self) -> None:
@@ -127,7 +128,15 @@ class CrossTokenizerDrafter(Drafter):
         self.columns: list[list[int]] = []  # per active row: the grid column of each of them
 
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
-        self._catch_up(self._draft_tokens(batch))
+        wanted = self._draft_tokens(batch)
+        longest = max(map(len, wanted)) + num_draft_tokens - 1  # positions the draft reads this round
+        if self.table is not None and longest > self.table:
+            raise ValueError(f"`assistant_model` has a table of {self.table} learned positions, but its tokenizer "
+                             f"turns a row into {longest - num_draft_tokens + 1} tokens and this round drafts "
+                             f"{num_draft_tokens} more; lower `max_new_tokens` or use a draft with a longer context "
+                             "(generate() checks the target's token count up front; the draft's own is known only "
+                             "once its tokenizer has read the text).")
+        self._catch_up(wanted)
         num_catch_up = max(0, self.ids.shape[1] - cache_length(self.cache) - 1) if num_draft_tokens else 0
         if self.matching == "string" or (self.matching == "auto" and not context.do_sample):
             return self._propose_text(batch, num_draft_tokens, context, num_catch_up)

@@ -87,7 +87,14 @@ def _check_corpus(corpus) -> list[torch.Tensor]:
                          f"{type(corpus).__name__}.")
     documents = []
     for index, document in enumerate(corpus):
-        ids = torch.as_tensor(document)
+        if isinstance(document, (str, bytes)):
+            raise TypeError(f"`corpus`[{index}] is text ({document[:40]!r}); the corpus holds token ids: tokenize it "
+                            "with the target's tokenizer, `[tokenizer(text).input_ids for text in texts]`.")
+        try:
+            ids = torch.as_tensor(document)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"`corpus`[{index}] must be a sequence of token ids, but is {type(document).__name__} "
+                            f"({error}).") from None
         if ids.dim() != 1:
             raise ValueError(f"`corpus`[{index}] must be a 1-D sequence of token ids, but has shape "
                              f"{tuple(ids.shape)}.")

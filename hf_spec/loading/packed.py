@@ -74,8 +74,9 @@ class PackedLinear(nn.Module):
         # restored by `to_linear`: with requires_grad=False, torch 2.13's oneDNN bf16 matmul of 3 or more rows was
         # 6x slower here (470 ms against 76 ms for 3 tokens of the 0.5B draft)
         self.weight_requires_grad = linear.weight.requires_grad
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        # parameters, not trained (`train` is refused): `parameters()` lists every weight, as before packing
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's op on a prepacked weight: keep it opaque
@@ -93,6 +94,18 @@ class PackedLinear(nn.Module):
         destination[prefix + "weight"] = self.weight.to_dense()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
+
+    def __getstate__(self) -> dict:
+        """Pickled with the dense weight (oneDNN's layout has no storage to pickle); packed again when loaded."""
+        state = self.__dict__.copy()
+        state["_parameters"] = {**self._parameters, "weight": nn.Parameter(self.weight.to_dense(), requires_grad=False)}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        dense = self._parameters["weight"]
+        self._parameters["weight"] = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense.detach()),
+                                                  requires_grad=False)
 
     def __deepcopy__(self, memo) -> PackedLinear:
         return PackedLinear(copy.deepcopy(self.to_linear(), memo))

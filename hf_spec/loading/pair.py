@@ -30,7 +30,13 @@ from hf_spec.loading import packed
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, cache_dir, is_converted, load
 from hf_spec.loading.quantization import first_device, quantized_copy
-from hf_spec.loading.tiny import build_tiny_pair, tiny_tokenizer
+from hf_spec.loading.tiny import (
+    TINY_OTHER_TOKENIZER,
+    build_tiny_other_tokenizer_draft,
+    build_tiny_pair,
+    tiny_other_tokenizer,
+    tiny_tokenizer,
+)
 from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.mixin import speculative
 from hf_spec.validation import is_other_vocabulary
@@ -93,14 +99,15 @@ class Pair:
                              "draft that shares the target's.")
 
     def save(self, folder: str | Path) -> tuple[str, str]:
-        """Save the target and the draft, each with the tokenizer, as ordinary checkpoints in ``folder/target`` and
+        """Save the target and the draft, each with its tokenizer, as ordinary checkpoints in ``folder/target`` and
         ``folder/draft`` (packed layers save their dense weights); returns the two folders."""
         folders = []
-        for name, model in (("target", self.target), ("draft", self.draft)):
+        for name, model, tokenizer in (("target", self.target, self.tokenizer),
+                                       ("draft", self.draft, self.draft_tokenizer or self.tokenizer)):
             path = Path(folder) / name
             model.save_pretrained(path)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
             folders.append(str(path))
         return folders[0], folders[1]
 
@@ -121,7 +128,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
               quantize: str | None = None, quantize_draft: str | None = None, draft_dtype: torch.dtype | None = None,
               optimize: bool = True, draft_vocab: int | None = None, draft_vocab_corpus: str | list[str] = "stdlib",
               draft_vocab_counts: str = "continuations", seed: int = 0) -> Pair:
-    """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, or ``"tiny"``; ``draft`` may also be a
+    """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, ``"tiny"``, or for the draft
+    ``"tiny-other-tokenizer"``, a tiny draft of another tokenizer; ``draft`` may also be a
     folder with a draft head trained for ``target``: a `DraftHead`, or an EAGLE-3 head in the speculators format),
     and prepare them as `prepare_pair` does.
 
@@ -203,17 +211,21 @@ def load_model(name: str, *, dtype: torch.dtype | str = "fastest", quantize: str
     """``(model, tokenizer)`` of a built-in name, folder or Hub id; for ``"tiny"``, the tiny pair's target or draft
     (``role``)."""
     name = model_name(name)
-    if name != TINY:
+    if name == TINY_OTHER_TOKENIZER:
+        model, tokenizer = build_tiny_other_tokenizer_draft(seed), tiny_other_tokenizer()
+    elif name == TINY:
+        model, tokenizer = build_tiny_pair(seed=seed)[0 if role == "target" else 1], tiny_tokenizer()
+    else:
         return load(name, dtype=resolve_dtype(dtype), quantize=quantize)
-    model = build_tiny_pair(seed=seed)[0 if role == "target" else 1]
-    return (quantized_copy(model, quantize) if quantize else model), tiny_tokenizer()
+    return (quantized_copy(model, quantize) if quantize else model), tokenizer
 
 
 def model_name(name: str) -> str:
     """The name a loader uses: ``"tiny"`` in place of a built-in real model under ``$HF_SPEC_MODELS=tiny``."""
     if _forced_models() == TINY and name in PACKAGED_MODELS:
-        logger.info("$%s=tiny: the tiny pair in place of %s", MODELS_VARIABLE, name)
-        return TINY
+        tiny = TINY_OTHER_TOKENIZER if PACKAGED_MODELS[name].own_tokenizer else TINY
+        logger.info("$%s=tiny: %s in place of %s", MODELS_VARIABLE, tiny, name)
+        return tiny
     return name
 
 

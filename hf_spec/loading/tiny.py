@@ -90,3 +90,30 @@ def build_tiny_pair(seed: int = 0, draft_noise: float = 0.03) -> tuple[LlamaForC
         raise ValueError(f"`draft_noise` must be >= 0, but is {draft_noise}.")
     target = build_tiny_model(seed, head_scale=5.0, weight_std=0.1)
     return target, noisy_copy(target, seed + 1, draft_noise)
+
+
+#: The tiny draft of another tokenizer (`tiny_other_tokenizer`): what ``$HF_SPEC_MODELS=tiny`` loads in place of a
+#: built-in draft with a tokenizer of its own, so that a cross-tokenizer example runs offline as one.
+TINY_OTHER_TOKENIZER = "tiny-other-tokenizer"
+#: Its merges: pairs of the tiny symbols frequent in code, each one token of its own.
+_MERGES = ("de", "ef", "f ", "re", "ur", "rn", "in", "  ", "(n", "n)", "):", "se", "lf", "et", "or")
+
+
+def tiny_other_tokenizer() -> PreTrainedTokenizerFast:
+    """A second tokenizer for the tiny pair's text: BPE over the same symbols plus `_MERGES`, so a draft using it reads
+    the same text in other tokens (fewer of them), as a real draft of another family does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {symbol: i for i, symbol in enumerate(TINY_SYMBOLS)}
+    vocab.update({merged: len(TINY_SYMBOLS) + i for i, merged in enumerate(_MERGES)})
+    backend = Tokenizer(models.BPE(vocab, [(merged[0], merged[1]) for merged in _MERGES], unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def build_tiny_other_tokenizer_draft(seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama over `tiny_other_tokenizer`'s vocabulary (79 ids): the tiny target's draft of another
+    tokenizer."""
+    return build_tiny_model(seed + 1, vocab_size=TINY_VOCAB_SIZE + len(_MERGES), head_scale=5.0, weight_std=0.1)

@@ -147,7 +147,8 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     """A short hash of ``model``'s config and of a sample of its weights (two models under one name differ)."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     for _, parameter in list(model.named_parameters())[:: 16]:
-        sample = parameter.detach().flatten()[:: max(1, parameter.numel() // 256)][:256].float().cpu()
+        dense = parameter.to_dense() if parameter.is_mkldnn else parameter  # packed (`hf_spec.loading.packed`)
+        sample = dense.detach().flatten()[:: max(1, parameter.numel() // 256)][:256].float().cpu()
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]
 
