@@ -528,3 +528,19 @@ def test_target_layers_are_read_in_layer_order_whatever_order_the_config_lists(t
     loaded = Eagle3Head.from_pretrained(tmp_path)
     assert loaded.config.feature_layers == [0, 1, 2]  # vLLM appends each layer's state as its loop passes it
     assert Eagle3Head.from_target(target, aux_layers=[2, 0, 1]).config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
+
+
+def test_a_reference_checkpoint_converts_to_the_speculators_format_and_back(target, head, tmp_path):
+    """Each direction on the tiny target: reference (.bin) -> speculators -> reference, the laws unchanged."""
+    reference = Eagle3Head.from_pretrained(_reference_folder(head, tmp_path / "reference"))
+    reference.config.eagle_aux_hidden_state_layer_ids = AUX  # a target of 2 layers has no EAGLE-3 default
+    reference.save_pretrained(tmp_path / "speculators")
+    assert json.loads((tmp_path / "speculators" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    Eagle3Head.from_pretrained(tmp_path / "speculators").save_pretrained(tmp_path / "back", layout="reference")
+    ids = torch.tensor([[5, 9, 2, 6, 5, 3]])
+    features = features_of(target, ids)[:, :-1]
+    with torch.no_grad():
+        expected = head(ids[:, 1:], features=features).logits
+        for folder in ("speculators", "back"):
+            loaded = Eagle3Head.from_pretrained(tmp_path / folder).attach(target)
+            torch.testing.assert_close(loaded(ids[:, 1:], features=features).logits, expected)
