@@ -74,7 +74,7 @@ def speculative_decode(
         generator: randomness for drafting and acceptance; ``None`` uses torch's default generator.
         streamer: receives every emitted token once, in order (batch of one).
     """
-    stats = SpeculativeStats()
+    stats = SpeculativeStats(verification=rounds.rule(generation_config.do_sample))
     recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
     context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
                            generation_config.do_sample, generator, rounds.stop_below)

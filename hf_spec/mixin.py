@@ -45,6 +45,7 @@ from hf_spec.compat import (
 from hf_spec.compiled import compiling
 from hf_spec.decoding import speculative_decode
 from hf_spec.plan import (
+    VERIFICATIONS,
     CallOptions,
     check_tree_nodes,
     plan_call,
@@ -109,18 +110,22 @@ class SpeculativeGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None,
-                 num_tree_nodes: Any = None, **kwargs):
+                 num_tree_nodes: Any = None, verification: str | None = None, **kwargs):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
         if num_tree_nodes is not None:
             check_tree_nodes(num_tree_nodes)
             kwargs["num_tree_nodes"] = num_tree_nodes
+        if verification is not None:
+            if verification not in VERIFICATIONS:
+                raise ValueError(f"`verification` must be one of {VERIFICATIONS}, but is {verification!r}.")
+            kwargs["verification"] = verification
         if isinstance(kwargs.get("custom_generate"), str):  # transformers hands every argument to the recipe, which
             if generator is not None:  # calls this method again: hf_spec's own arguments go along with the rest
                 kwargs["generator"] = generator
             return super().generate(inputs, generation_config, *args, **kwargs)
         settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
-        kwargs.pop("num_tree_nodes", None)  # transformers' config would keep it as an unknown entry
+        kwargs.pop("num_tree_nodes", None), kwargs.pop("verification", None)  # transformers would keep them
         if "custom_generate" not in kwargs and id(self) not in _WITHOUT_SPECULATION.get():
             merged = merged_generation_config(self, generation_config, kwargs)
             if kwargs.get("assistant_model") is not None or _is_our_prompt_lookup(merged):
@@ -146,9 +151,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
         draft = generation_mode_kwargs.get("assistant_model")
         call = _current_call()
         if not self._is_speculating(draft, generation_config):
-            if call.options.generator is not None or "num_tree_nodes" in call.options.settings:
-                raise ValueError("`generator` and `num_tree_nodes` are used by speculative decoding only; pass "
-                                 "`assistant_model=` (or `prompt_lookup_num_tokens=`) too.")
+            if call.options.generator is not None or {"num_tree_nodes", "verification"} & set(call.options.settings):
+                raise ValueError("`generator`, `num_tree_nodes` and `verification` are used by speculative decoding "
+                                 "only; pass `assistant_model=` (or `prompt_lookup_num_tokens=`) too.")
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
         refuse_unsupported(self, generation_config, generation_mode_kwargs, call.options.settings)
         validate_sampling_settings(generation_config)

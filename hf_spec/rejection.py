@@ -101,6 +101,77 @@ def accept_draft_tokens(
     return _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
 
 
+def accept_block(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", Algorithm 2): the
+    drafted block is judged as a whole. Same arguments and returns as :func:`accept_draft_tokens`; the output has
+    the target's law too, and in expectation at least as many draft tokens are kept (the paper's Theorem 2: no
+    exact rule that sees one block keeps more).
+
+    With ``p_0 = 1`` and, for i = 1 .. k (p, q the target's and the draft's laws at block position i):
+
+        p_i = min(1, p_{i-1} p(x_i) / q(x_i))                       # how much of the block so far the target keeps
+        r_i = max(0, p_i p_{i+1}(.) - q_{i+1}(.))                   # what a stop after x_i may emit (q_{k+1} = 0)
+        h_i = |r_i| / (|r_i| + 1 - p_i)                             # the chance to stop there (h_k = p_k)
+
+    the row keeps ``x_1 .. x_tau`` with ``tau`` the largest i whose uniform ``u_i < h_i`` (0 if none), then emits one
+    token from ``r_tau / |r_tau|`` (``r_0 = max(0, p_1 - q_1)``; at tau = k that is the bonus token from ``p_{k+1}``).
+    Token-wise rejection instead stops at the first rejected token: a later draft token the target likes more than
+    the draft did cannot make up for an earlier one it liked less. Block verification lets it, which keeps more.
+
+    The rule needs the block's length fixed before drafting (a draft that stops early on its own confidence is
+    verified token by token: `hf_spec.rounds.ChainRounds.accept`).
+    """
+    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
+    vocab_size = target_probs.shape[-1]
+    _check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
+    _check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
+
+    stop, residuals = block_laws(draft_ids, draft_probs, target_probs)  # [batch, k + 1], [batch, k + 1, vocab]
+
+    # 3. tau: the last i in 1 .. k with u_i < h_i, else 0.
+    uniforms = torch.rand((batch_size, k), dtype=torch.float64, device=draft_ids.device, generator=generator)
+    positions = torch.arange(1, k + 1, device=draft_ids.device)  # [k]
+    stops = torch.where(uniforms < stop[:, 1:], positions, 0)  # [batch, k]: i where the row may stop, else 0
+    num_accepted = F.pad(stops, (1, 0)).amax(dim=-1)  # [batch]
+
+    # 4. One token from r_tau (p_{k+1} at tau = k); an empty residual (measure zero) falls back to p at tau.
+    index = num_accepted.view(batch_size, 1, 1).expand(batch_size, 1, vocab_size)
+    residual = residuals.gather(1, index).squeeze(1)  # [batch, vocab]
+    p_next = target_probs.gather(1, index).squeeze(1)  # [batch, vocab]
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next.double())
+    next_ids = sample_from_weights(residual, generator)  # [batch]
+    return _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+
+
+def block_laws(draft_ids: torch.Tensor, draft_probs: torch.Tensor,
+               target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's laws (:func:`accept_block`): ``h`` ``[batch, k + 1]``, the chance to stop after draft
+    token i (h_0 is not used: tau = 0 is what is left), and ``r`` ``[batch, k + 1, vocab]``, the unnormalized law
+    of the token emitted after a stop at i; float64."""
+    batch_size, k = draft_ids.shape
+    # 1. p_i: the running, clipped likelihood ratio of the block's prefixes. q = 0 for a drafted token breaks the
+    #    draft's contract: its ratio counts as 0, a rejection, never a NaN.
+    p_of_draft = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()  # [batch, k]
+    q_of_draft = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()  # [batch, k]
+    ratios = torch.where(q_of_draft > 0, p_of_draft / q_of_draft.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    kept = [torch.ones(batch_size, dtype=torch.float64, device=draft_ids.device)]  # p_0
+    for i in range(k):
+        kept.append(torch.clamp(kept[-1] * ratios[:, i], max=1.0))
+    kept = torch.stack(kept, dim=1)  # [batch, k + 1]: p_0 .. p_k
+    # 2. r_i and h_i at every stop i = 0 .. k (q after the last draft token is 0).
+    q_next = F.pad(draft_probs, (0, 0, 0, 1)).double()  # [batch, k + 1, vocab]
+    residuals = (kept.unsqueeze(-1) * target_probs.double() - q_next).clamp_min_(0)  # [batch, k + 1, vocab]
+    mass = residuals.sum(dim=-1)  # [batch, k + 1]
+    denominator = mass + (1 - kept)
+    stop = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    return stop, residuals
+
+
 def accept_greedy(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: keep the draft tokens equal to the target's argmax, then the target's own token.
 

@@ -34,7 +34,7 @@ from hf_spec.drafting.base import DraftContext, Drafter, Proposal
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, FixedDraftLength
 from hf_spec.drafting.tree import DraftTree, TreeDrafter
 from hf_spec.forward import extend_mask, forward_missing, forward_tree
-from hf_spec.rejection import accept_draft_tokens, accept_greedy, accept_tree, accept_tree_greedy
+from hf_spec.rejection import accept_block, accept_draft_tokens, accept_greedy, accept_tree, accept_tree_greedy
 from hf_spec.rows import RaggedBatch
 from logits_processors import process_block, process_step
 
@@ -100,6 +100,10 @@ class Rounds(abc.ABC):
         """The most tokens a round of a call of ``max_new_tokens`` drafts: what a static cache is sized for."""
         return self.max_drafted
 
+    def rule(self, do_sample: bool) -> str:
+        """The acceptance rule the rounds run (`hf_spec.stats.SpeculativeStats.verification`)."""
+        return "tree" if do_sample else "greedy"
+
     @abc.abstractmethod
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> Proposal | DraftTree:
         """1. The round's draft, sized by the sizer, at most ``tokens_left`` deep."""
@@ -135,8 +139,16 @@ class ChainRounds(Rounds):
     `AutoDraftLength`); drafting stops early where the draft is less confident than ``stop_below`` (transformers'
     ``assistant_confidence_threshold``, `hf_spec.drafting.base.DraftContext`)."""
 
-    def __init__(self, drafter: Drafter, sizer, stop_below: float | None = None):
-        self.drafter, self.sizer, self.stop_below = drafter, sizer, stop_below
+    def __init__(self, drafter: Drafter, sizer, stop_below: float | None = None, verification: str = "block"):
+        self.drafter, self.sizer, self.stop_below, self.verification = drafter, sizer, stop_below, verification
+
+    def rule(self, do_sample: bool) -> str:
+        """The acceptance rule of a sampled chain: block verification, unless asked for the token-wise rule or the
+        draft stops early on its own confidence (block verification needs the block's length fixed before drafting,
+        `hf_spec.rejection.accept_block`)."""
+        if not do_sample:
+            return "greedy"
+        return "block" if self.verification == "block" and self.stop_below is None else "token"
 
     def max_pass(self, max_new_tokens: int) -> int:
         return min(self.max_drafted, max_new_tokens)  # a chain never drafts past the answer's end
@@ -163,8 +175,9 @@ class ChainRounds(Rounds):
 
     def accept(self, draft: Proposal, verified: Verified, context: DraftContext) -> Accepted:
         if context.do_sample:
-            output_ids, num_accepted = accept_draft_tokens(draft.draft_ids, draft.draft_probs,
-                                                           verified.scores.softmax(dim=-1), context.generator)
+            accept = accept_block if self.rule(True) == "block" else accept_draft_tokens
+            output_ids, num_accepted = accept(draft.draft_ids, draft.draft_probs, verified.scores.softmax(dim=-1),
+                                              context.generator)
         else:
             output_ids, num_accepted = accept_greedy(draft.draft_ids, verified.scores)
         return Accepted(output_ids, num_accepted, verified.logits, verified.scores)
@@ -185,7 +198,7 @@ class TreeRounds(Rounds):
 
     def __init__(self, drafter: TreeDrafter, sizer):
         self.drafter, self.sizer = drafter, sizer
-        self.chain = ChainRounds(drafter, sizer)
+        self.chain = ChainRounds(drafter, sizer, verification="token")  # a tree's chain rounds: per-node rule too
 
     def start(self, batch: RaggedBatch, target_cache) -> None:
         if batch.batch_size != 1:

@@ -31,6 +31,8 @@ class SpeculativeStats:
         draft_seconds: wall-clock time in draft forward passes and draft sampling.
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
         rows: per batch row, in the input's order.
+        verification: the acceptance rule that ran: ``"block"`` or ``"token"`` (sampled chains,
+            `hf_spec.rejection`), ``"greedy"``, or ``"tree"`` (per-node rejection over a tree's children).
         profile: seconds per section of the loop (`hf_spec.profiling.SECTIONS`) when the call ran inside
             `hf_spec.profiling.profile_rounds`, else ``None``; ``profile_passes``: forward passes per section
             (`hf_spec.profiling.FORWARD_SECTIONS`) then.
@@ -47,6 +49,7 @@ class SpeculativeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
+    verification: str = ""
     profile: dict[str, float] | None = None
     profile_passes: dict[str, int] | None = None
 

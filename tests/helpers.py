@@ -169,3 +169,10 @@ def resample_from_p(draft_ids, draft_probs, target_probs, generator):
         if j < draft_ids.shape[1]:
             output_ids[row, j] = hf_spec.rejection.sample_from_weights(target_probs[row, j], generator)
     return output_ids, num_accepted
+
+
+def break_rule(monkeypatch, broken) -> None:
+    """Both acceptance rules of sampled chains (block verification, the default, and the token-wise rule) replaced
+    by ``broken`` for the test: a negative control then holds whichever rule the loop runs."""
+    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", broken)
+    monkeypatch.setattr(hf_spec.rounds, "accept_block", broken)

@@ -10,6 +10,7 @@ from helpers import (
     MIXED_PROMPTS,
     MIXED_SETTINGS,
     BanSuccessorOfLastToken,
+    break_rule,
     exact_law,
     resample_from_p,
     sample_mixed_prompts,
@@ -50,7 +51,7 @@ def _q_from_the_next_row(draft_ids, draft_probs, target_probs, generator):
 
 
 def test_negative_control_q_from_another_row_is_caught(small_target, small_draft, monkeypatch):
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", _q_from_the_next_row)
+    break_rule(monkeypatch, _q_from_the_next_row)
     results = [
         fit_sequences(samples, exact_law(small_target, MIXED_SETTINGS, [BanSuccessorOfLastToken()], prompt))
         for samples, prompt in zip(sample_mixed_prompts(small_target, small_draft, seed=6), MIXED_PROMPTS)
@@ -69,9 +70,61 @@ def _block_without_draft_prefix(processors, prefix_ids, block_ids, logits, prefi
     [("accept_draft_tokens", "temperature_1"), ("process_block", "eta_user_processor_k5")],
 )
 def test_negative_control_broken_loop_is_caught(small_target, small_draft, monkeypatch, patch, case):
-    broken = {"accept_draft_tokens": resample_from_p, "process_block": _block_without_draft_prefix}[patch]
-    monkeypatch.setattr(hf_spec.rounds, patch, broken)
+    if patch == "accept_draft_tokens":
+        break_rule(monkeypatch, resample_from_p)
+    else:
+        monkeypatch.setattr(hf_spec.rounds, patch, _block_without_draft_prefix)
     k, settings, user_processors = CASES[case]
     samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=99)
     result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
     assert not result.is_consistent, result
+
+
+# --- the two acceptance rules of sampled chains ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["temperature_1", "combined_chain_k4", "min_new_tokens_suppress_tokens"])
+def test_the_token_wise_rule_samples_the_target_law(small_target, small_draft, case):
+    """``verification="token"``: the seeds' rule, still selectable (block verification is the default)."""
+    k, settings, user_processors = CASES[case]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=3 + len(case),
+                                 verification="token")
+    result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
+    assert result.is_consistent, result
+
+
+def _first_failure_scan(draft_ids, draft_probs, target_probs, generator):
+    """Broken block verification: the row keeps the draft up to its first failed stop test, not its last passed."""
+    stop, residuals = hf_spec.rejection.block_laws(draft_ids, draft_probs, target_probs)
+    batch_size, k = draft_ids.shape
+    if k == 0:  # nothing drafted (the last token): nothing to scan
+        return hf_spec.rejection.accept_block(draft_ids, draft_probs, target_probs, generator)
+    passed = torch.rand((batch_size, k), dtype=torch.float64, generator=generator) < stop[:, 1:]
+    num_accepted = torch.where(passed.all(1), k, (~passed).long().argmax(1))
+    residual = residuals[torch.arange(batch_size), num_accepted]
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual,
+                           target_probs[torch.arange(batch_size), num_accepted].double())
+    next_ids = hf_spec.rejection.sample_from_weights(residual, generator)
+    return hf_spec.rejection._assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+
+
+def test_negative_control_block_verification_scanned_token_wise_is_caught(small_target, small_draft, monkeypatch):
+    monkeypatch.setattr(hf_spec.rounds, "accept_block", _first_failure_scan)
+    k, settings, user_processors = CASES["combined_chain_k4"]
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=98)
+    assert not fit_sequences(samples, exact_law(small_target, settings, user_processors)).is_consistent
+
+
+def test_the_rule_that_ran_is_reported_and_bad_choices_are_refused(small_target, small_draft):
+    prompt = torch.tensor([[1, 3, 2]])
+    common = {"assistant_model": small_draft, "max_new_tokens": 6, "return_dict_in_generate": True}
+    ran = {name: small_target.generate(prompt, **common, **extra).speculative_stats.verification for name, extra in {
+        "default": {"do_sample": True}, "token": {"do_sample": True, "verification": "token"},
+        "greedy": {"do_sample": False}, "tree": {"do_sample": True, "num_tree_nodes": 4},
+        "confidence": {"do_sample": True, "assistant_confidence_threshold": 0.3}}.items()}
+    assert ran == {"default": "block", "token": "token", "greedy": "greedy", "tree": "tree", "confidence": "token"}
+    with pytest.raises(ValueError, match=r"`verification` must be one of \('block', 'token'\), but is 'tree'"):
+        small_target.generate(prompt, verification="tree", **common)
+    with pytest.raises(ValueError, match="`verification='block'` judges a chain"):
+        small_target.generate(prompt, verification="block", num_tree_nodes=4, **common)
+    with pytest.raises(ValueError, match="used by speculative decoding only"):
+        small_target.generate(prompt, verification="token", max_new_tokens=4)

@@ -21,6 +21,7 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
+    break_rule,
     exact_law,
     left_padded,
     make_noisy_copy,
@@ -102,7 +103,7 @@ def test_a_quantized_draft_keeps_the_law(quantized_targets, small_draft):
 def test_negative_control_resampling_from_p_is_caught_with_a_quantized_target(
     quantized_targets, small_draft, monkeypatch
 ):
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
+    break_rule(monkeypatch, resample_from_p)
     target = quantized_targets["nf4"]
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99)

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from hf_spec.evaluation.exactness import fit_sequences
-from hf_spec.rejection import NOT_EMITTED, accept_draft_tokens, accept_greedy, sample_from_weights
+from hf_spec.rejection import (
+    NOT_EMITTED,
+    _assemble_output,
+    accept_block,
+    accept_draft_tokens,
+    accept_greedy,
+    sample_from_weights,
+)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -200,3 +207,112 @@ def test_acceptance_rate_is_one_minus_total_variation():
     _, num_accepted = accept_draft_tokens(draft_ids, q_chain[context].unsqueeze(1), target_probs, _gen(6))
     expected = 1 - 0.5 * (p_chain[0] - q_chain[0]).abs().sum().item()
     assert abs(num_accepted.double().mean().item() - expected) < 4 * (0.25 / num_rows) ** 0.5
+
+
+# ---- block verification --------------------------------------------------------------------------------------------
+
+def _broken_block(scan_first_failure: bool, kept_weight_one: bool):
+    """Block verification with one thing wrong: the stop chosen by the first failed test (token-wise scan order)
+    instead of the last passed one, or the residuals and stop chances computed as if p_i were always 1."""
+
+    def accept(draft_ids, draft_probs, target_probs, generator):
+        batch_size, k = draft_ids.shape
+        p_of = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0].double()
+        q_of = draft_probs.gather(-1, draft_ids[..., None])[..., 0].double()
+        kept = [torch.ones(batch_size, dtype=torch.float64)]
+        for i in range(k):
+            kept.append((kept[-1] * p_of[:, i] / q_of[:, i]).clamp(max=1.0))
+        kept = torch.ones(batch_size, k + 1, dtype=torch.float64) if kept_weight_one else torch.stack(kept, 1)
+        residuals = (kept[..., None] * target_probs.double()
+                     - torch.nn.functional.pad(draft_probs, (0, 0, 0, 1)).double()).clamp_min(0)
+        mass = residuals.sum(-1)
+        stop = torch.where(mass + 1 - kept > 0, mass / (mass + 1 - kept).clamp_min(1e-300), 0.0)
+        passed = torch.rand((batch_size, k), dtype=torch.float64, generator=generator) < stop[:, 1:]
+        if scan_first_failure:
+            num_accepted = torch.where(passed.all(1), k, (~passed).long().argmax(1))
+        else:
+            num_accepted = torch.nn.functional.pad(torch.where(passed, torch.arange(1, k + 1), 0), (1, 0)).amax(-1)
+        residual = residuals[torch.arange(batch_size), num_accepted]
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual,
+                               target_probs[torch.arange(batch_size), num_accepted].double())
+        return _assemble_output(draft_ids, num_accepted, sample_from_weights(residual, generator)), num_accepted
+
+    accept.__name__ = "first_failure_scan" if scan_first_failure else "kept_weight_one"
+    return accept
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_block_verification_stream_has_the_target_law(k):
+    p_chain, q_chain = _chains(seed=0)
+    samples = _run_stream(accept_block, p_chain, q_chain, k, 100_000, _gen(20 + k))
+    result = fit_sequences(samples, _exact_law(p_chain))
+    assert result.is_consistent, result
+
+
+@pytest.mark.parametrize("broken", [_broken_block(True, False), _broken_block(False, True)],
+                         ids=lambda f: f.__name__)
+def test_negative_control_broken_block_verification_is_caught(broken):
+    p_chain, q_chain = _chains(seed=0)
+    samples = _run_stream(broken, p_chain, q_chain, 3, 100_000, _gen(31))
+    result = fit_sequences(samples, _exact_law(p_chain))
+    assert not result.is_consistent, result
+
+
+def test_block_verification_keeps_at_least_as_many_tokens_as_token_wise():
+    """In expectation over blocks of the chain: more kept tokens per round (Sun et al.'s Theorem 2), here by a margin
+    far outside the sampling error; one draft token (k = 1) keeps the same."""
+    p_chain, q_chain = _chains(seed=0)
+    num_rows = 200_000
+    means = {}
+    for k in (1, 4):
+        generator = _gen(40 + k)
+        context, draft_ids, draft_probs = torch.zeros(num_rows, dtype=torch.long), [], []
+        for _ in range(k):
+            probs = q_chain[context]
+            context = sample_from_weights(probs, generator)
+            draft_probs.append(probs)
+            draft_ids.append(context)
+        draft_ids, draft_probs = torch.stack(draft_ids, 1), torch.stack(draft_probs, 1)
+        target_probs = p_chain[torch.cat([torch.zeros(num_rows, 1, dtype=torch.long), draft_ids], 1)]
+        for name, rule in (("token", accept_draft_tokens), ("block", accept_block)):
+            means[name, k] = rule(draft_ids, draft_probs, target_probs, _gen(50))[1].double().mean().item()
+    error = 4 * (4.0 / num_rows) ** 0.5
+    assert abs(means["block", 1] - means["token", 1]) < error
+    assert means["block", 4] > means["token", 4] + error, means
+
+
+@pytest.mark.parametrize("k, broken", [(1, False), (2, False), (3, False), (2, True)])
+def test_block_verification_laws_give_the_target_law_exactly(k, broken):
+    """Not statistical: every block of k draft tokens enumerated, the law of the round's output (tau and the emitted
+    token from `block_laws`, tau the last passed stop test), continued by the target to k + 1 tokens, summed over the
+    blocks by their draft probability, equals the target's law of k + 1 tokens to rounding. Negative control
+    (``broken``): stop wherever a residual exists (h_i without its 1 - p_i term) is far from it."""
+    import itertools
+
+    from hf_spec.rejection import block_laws
+
+    p_chain, q_chain = (law.double() / law.double().sum(-1, keepdim=True) for law in _chains(seed=3))
+    blocks = torch.tensor(list(itertools.product(range(VOCAB), repeat=k)))  # [V^k, k]
+    contexts = torch.cat([torch.zeros(len(blocks), 1, dtype=torch.long), blocks], 1)  # [V^k, k + 1]
+    draft_probs, target_probs = q_chain[contexts[:, :k]], p_chain[contexts]
+    stop, residuals = block_laws(blocks, draft_probs, target_probs)
+    stop = (stop > 0).double() if broken else stop
+    law = np.zeros((VOCAB,) * (k + 1))
+    for row, block in enumerate(blocks.tolist()):
+        weight = float(draft_probs[row].gather(-1, blocks[row, :, None]).prod())
+        for tau in range(k + 1):  # P(tau) = h_tau * prod_{j > tau} (1 - h_j), h_0 = 1
+            chance = (1.0 if tau == 0 else float(stop[row, tau])) * float((1 - stop[row, tau + 1:]).prod())
+            if chance == 0:
+                continue
+            emitted = residuals[row, tau] / residuals[row, tau].sum()
+            for y in range(VOCAB):
+                prefix, previous = [*block[:tau], y], y
+                for rest in itertools.product(range(VOCAB), repeat=k - tau):  # the target continues alone
+                    probability, last = 1.0, previous
+                    for token in rest:
+                        probability, last = probability * float(p_chain[last, token]), token
+                    law[tuple(prefix + list(rest))] += weight * chance * float(emitted[y]) * probability
+    exact = p_chain[0].numpy()
+    for _ in range(k):
+        exact = np.einsum("...a,ab->...ab", exact, p_chain.numpy())
+    assert (np.abs(law - exact).max() > 1e-3) if broken else (np.abs(law - exact).max() < 1e-12)

@@ -13,12 +13,12 @@ from helpers import make_noisy_copy, make_tiny_model
 import hf_spec.drafting.tree_size
 import hf_spec.rounds
 from hf_spec import speculative
+from hf_spec.drafting.base import Proposal
 from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.draft_length import best_draft_length
 from hf_spec.drafting.estimates import SHIFT_EVIDENCE
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.speedup import expected_tokens
-from hf_spec.drafting.base import Proposal
 from hf_spec.drafting.tree import DraftTree
 from hf_spec.drafting.tree_size import AutoTreeSize, catch_up_chances, grow_values, missing_children, rank_outcomes
 from hf_spec.heads import DraftHead

@@ -15,6 +15,7 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
+    break_rule,
     exact_law,
     left_padded,
     letters_tokenizer,
@@ -73,7 +74,7 @@ def _target_restricted_to_the_draft_ids(draft_ids, draft_probs, target_probs, ge
 
 
 def test_negative_control_a_target_restricted_to_the_draft_ids_is_caught(small_target, pruned_draft, monkeypatch):
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", _target_restricted_to_the_draft_ids)
+    break_rule(monkeypatch, _target_restricted_to_the_draft_ids)
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(small_target, pruned_draft, settings, user_processors, k, seed=97)
     assert not fit_sequences(samples, exact_law(small_target, settings, user_processors)).is_consistent

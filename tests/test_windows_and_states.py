@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import NUM_SAMPLES, PROMPT, exact_law, resample_from_p, with_length
+from helpers import NUM_SAMPLES, PROMPT, break_rule, exact_law, resample_from_p, with_length
 from transformers import DynamicCache, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
 
 import hf_spec.decoding
@@ -269,7 +269,7 @@ def test_negative_control_holes_left_inside_the_window_are_caught(small_window_p
 
 def test_negative_control_a_broken_rule_is_caught_in_a_sliding_window_batch(small_window_pair, monkeypatch):
     target, draft = small_window_pair
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
+    break_rule(monkeypatch, resample_from_p)
     samples, prompt = _sample(target, draft, seed=0)
     assert not fit_sequences(samples, exact_law(target, SETTINGS, [], prompt)).is_consistent
 
