@@ -4,6 +4,8 @@ Helpers that are not fixtures are in ``helpers.py``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import make_noisy_copy, make_tiny_model, small_target_model
@@ -11,6 +13,9 @@ from helpers import make_noisy_copy, make_tiny_model, small_target_model
 from hf_spec import speculative
 
 torch.set_num_threads(1)
+# Probed costs stay in each process (and its subprocesses): a table another run stored would skip the probes tests
+# time; `tests/test_draft_length.py` turns the store on where it tests it.
+os.environ["HF_SPEC_COST_STORE"] = "off"
 
 
 @pytest.fixture(scope="session")

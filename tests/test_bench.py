@@ -468,3 +468,23 @@ def test_the_texts_each_method_wrote_are_scored_as_eval_draft_scores_them(tmp_pa
     swapped = evaluate_draft(pair.target, pair.draft, [prompts[1 - run["prompt"]]["input_ids"] for run in runs],
                              texts, settings, progress=False)
     assert flat(scored["acceptance_along_text"]) != pytest.approx(flat(swapped.acceptance_along_text), abs=1e-5)
+
+
+def test_first_calls_run_each_method_in_a_fresh_process(tmp_path, capsys):
+    """``--first-call``: one subprocess per method and prompt, target-only first in the table, every run timed once;
+    options it would not honour are refused by name."""
+    from hf_spec.cli import main
+
+    argv = ["bench", "--target", "tiny", "--draft", "tiny", "--first-call", "fresh", "--methods", "hf_spec_k3",
+            "--prompts", "2", "--workloads", "code", "--settings", "greedy", "--max-new-tokens", "6", "--threads", "1",
+            "--no-progress", "--output", str(tmp_path / "first.json")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "first.json").read_text())
+    assert report["config"]["methods"] == ["target_only", "hf_spec_k3"] and len(report["runs"]) == 4
+    assert {run["method"] for run in report["runs"] if run["prompt"] == 1} == {"target_only", "hf_spec_k3"}
+    assert [run["method"] for run in report["runs"]][:2] != [run["method"] for run in report["runs"]][2:]  # rotated
+    result = report["results"]["code/greedy"]
+    assert result["target_only"]["speed_over_target_only"] == pytest.approx(1.0)
+    assert all(n == 6 for n in result["hf_spec_k3"]["new_tokens"]) and result["hf_spec_k3"]["speed_over_target_only"]
+    assert main([*argv, "--repeats", "2"]) == 2
+    assert "it does not take --repeats" in capsys.readouterr().err

@@ -276,3 +276,41 @@ def test_unpacking_restores_requires_grad_as_loaded():
     optimize(model, path="packed")
     deoptimize(model)
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+
+
+def test_a_longer_call_probes_only_the_sizes_it_adds(monkeypatch):
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    asked, measure = [], costs.measure_costs
+    monkeypatch.setattr(costs, "measure_costs", lambda target, drafter, ids, sizes, *args: asked.append(sizes)
+                        or measure(target, drafter, ids, sizes, *args))
+    short = probe_costs(target, ModelDrafter(draft), (2, 3))
+    longer = probe_costs(target, ModelDrafter(draft), (2, 3, 4, 6))
+    assert asked == [[1, 2, 3], [4, 6]]  # the target step is timed with every measurement, to scale it
+    assert set(longer.target_block_seconds) == {1, 2, 3, 4, 6}
+    assert {size: longer.target_block_seconds[size] for size in (1, 2, 3)} == short.target_block_seconds
+
+
+def test_probed_costs_are_kept_for_the_next_process(monkeypatch, tmp_path):
+    """A fresh process (the in-process table dropped) reads the stored table and probes nothing; another dtype, or
+    other kernels, is another table; a damaged file is measured again."""
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    first = probe_costs(target, ModelDrafter(draft), (2, 3))
+    costs._PROBED.clear()  # what a new process starts from
+    monkeypatch.setattr(costs, "measure_costs", lambda *args: pytest.fail("probed again"))
+    assert probe_costs(target, ModelDrafter(draft), (2, 3)) == first
+    assert probe_costs(make_tiny_model(seed=5), ModelDrafter(make_tiny_model(seed=6)), (2, 3)) == first, \
+        "costs depend on shapes and kernels, not weights"
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    asked, measure = [], costs.measure_costs
+    monkeypatch.setattr(costs, "measure_costs", lambda *args: asked.append(args[3]) or measure(*args))
+    probe_costs(make_tiny_model(seed=0).to(torch.bfloat16), ModelDrafter(draft), (2, 3))
+    optimize(packed_target := make_tiny_model(seed=0).to(torch.bfloat16), path="packed")
+    probe_costs(packed_target, ModelDrafter(draft), (2, 3))
+    assert len(asked) == 2 and len(list(tmp_path.glob("*.json"))) == 3
+    for file in tmp_path.glob("*.json"):
+        file.write_text("{")
+    costs._PROBED.clear()
+    probe_costs(target, ModelDrafter(draft), (2, 3))
+    assert len(asked) == 3

@@ -20,7 +20,9 @@
 - ``<method>_static``: any of these on a static cache (``cache_implementation="static"``); ``<method>_compiled``: on a
   static cache with compiled passes (``compile_config``: inductor, ``fullgraph=False``, ``dynamic=False``, on every
   device; the warm-up then runs every timed call once at the full length, so that the graphs of every pass width
-  compile before the timed calls: its time, in the report's ``warmup_seconds``, is the compile time).
+  compile before the timed calls: its time, in the report's ``warmup_seconds``, is the compile time);
+- ``<method>_token``: any of hf_spec's chain methods with the token-wise acceptance rule (``verification="token"``;
+  block verification is the default), to measure what block verification gains.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ SETTINGS = {
 _FIXED_K = re.compile(r"hf_spec_k([1-9][0-9]*)")
 _TREE = re.compile(r"hf_spec_(tree|suffix)([1-9][0-9]*|_auto)")
 _CACHE = re.compile(r"(.+)_(static|compiled)")
+_RULE = re.compile(r"(.+)_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,13 @@ class MethodSpec:
 def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     """The `MethodSpec` of a method name (see the module docstring); ``num_draft_tokens`` is k."""
     k = num_draft_tokens
+    rule = _RULE.fullmatch(method)
+    if rule:
+        base = method_spec(rule.group(1), k)
+        if not base.is_ours or "num_tree_nodes" in base.generate_kwargs:
+            raise ValueError(f"Method {method!r}: '_token' selects the token-wise acceptance rule of hf_spec's sampled "
+                             "chains (block verification is the default), not of transformers' methods or trees.")
+        return dataclasses.replace(base, generate_kwargs={**base.generate_kwargs, "verification": "token"})
     cache = _CACHE.fullmatch(method)
     if cache:
         base = method_spec(cache.group(1), k)
@@ -104,7 +114,7 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     if method not in specs:
         raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>', "
                          "'hf_spec_suffix<N>', 'hf_spec_tree_auto' or 'hf_spec_suffix_auto', each optionally with "
-                         "'_static' or '_compiled'.")
+                         "'_static' or '_compiled', and hf_spec's chains with '_token'.")
     return specs[method]
 
 

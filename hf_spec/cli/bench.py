@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from hf_spec.bench.first_call import format_first_calls, run_first_calls
 from hf_spec.bench.methods import DEFAULT_METHODS, METHODS, SETTINGS, method_spec, runs_on
 from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import run_benchmark
@@ -61,7 +62,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
                         help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N), hf_spec_tree<N> (a "
                              "tree of N draft tokens, k deep), hf_spec_suffix<N> (suffix matching, N tokens), "
-                             "hf_spec_tree_auto / hf_spec_suffix_auto (num_tree_nodes='auto'); target_only always runs")
+                             "hf_spec_tree_auto / hf_spec_suffix_auto (num_tree_nodes='auto'); <method>_token: a chain "
+                             "with the token-wise acceptance rule; target_only always runs")
     parser.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
                         help="also run every method on the target quantized with each scheme (<method>@<scheme>)")
     parser.add_argument("--draft-variants", nargs="+", default=[], metavar="DRAFT",
@@ -91,6 +93,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--plot", default="bench.png", metavar="PATH", help="the plot (PNG; needs matplotlib)")
     parser.add_argument("--no-plot", action="store_true", help="no plot (matplotlib is then not needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--first-call", choices=("shared", "fresh"), default=None,
+                        help="time each method's first call in a fresh process instead (one subprocess per method and "
+                             "prompt; loading not timed): 'shared' keeps probed costs between processes as a user's "
+                             "machine does, 'fresh' starts every process without them (hf_spec's first run)")
     parser.set_defaults(run=run)
 
 
@@ -98,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.output, "--output")
     if not args.no_plot:
         check_writable(args.plot, "--plot")
+    if args.first_call:
+        return run_first(args)
     if args.quantize and args.quantize in args.variants:
         raise ValueError(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
@@ -137,6 +145,24 @@ def run(args: argparse.Namespace) -> int:
         plot(report, args.plot)
         log(f"wrote {args.plot}")
     emit(args, report, format_table(report))
+    return 0
+
+
+def run_first(args: argparse.Namespace) -> int:
+    """``--first-call``: each method's first call in a fresh process (`hf_spec.bench.first_call`)."""
+    unused = {"--variants": args.variants, "--draft-variants": args.draft_variants,
+              "--draft-vocab-variants": args.draft_vocab_variants, "--min-new-tokens": args.min_new_tokens,
+              "--quantize": args.quantize, "--quantize-draft": args.quantize_draft, "--draft-vocab": args.draft_vocab,
+              "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1}
+    given = [name for name, value in unused.items() if value]
+    if given:
+        raise ValueError(f"--first-call times one call per process of the main pair as load_pair loads it; it does "
+                         f"not take {', '.join(given)}.")
+    report = run_first_calls(args.target, args.draft, tuple(args.methods), tuple(dict.fromkeys(args.workloads)),
+                             tuple(args.settings), args.prompts, num_draft_tokens=args.num_assistant_tokens,
+                             max_new_tokens=args.max_new_tokens, dtype=args.dtype, threads=args.threads,
+                             offset=args.offset, seed=args.seed, store=args.first_call, progress=not args.no_progress)
+    emit(args, report, format_first_calls(report))
     return 0
 
 

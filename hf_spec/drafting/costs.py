@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
+from hf_spec.drafting.cost_store import load_table, save_table, store_key
 from hf_spec.drafting.speedup import predicted_speedup
 from hf_spec.forward import position_table
 
@@ -112,27 +113,54 @@ def probe_sizes(max_block_size: int) -> tuple[int, ...]:
 def probe_costs(target: PreTrainedModel, drafter, block_sizes: tuple[int, ...], repeats: int = 3,
                 draft_widths: tuple[int, ...] = (1,)) -> CostTable:
     """`measure_costs` for target passes over ``block_sizes`` tokens after up to `PROBE_PREFIX_LENGTH` random ids,
-    once per (target, the drafter's `Drafter.cost_key`, dtypes, devices, threads, sizes) in this process.
+    once per (target, the drafter's `Drafter.cost_key`, dtypes, devices, threads) in this process, and kept on disk
+    for later processes (`hf_spec.drafting.cost_store`).
 
-    Passes and the prefix are cut to what both models' position tables hold (a size left out is extrapolated)."""
+    The table grows: a call that needs sizes (or draft widths) not measured yet times only those, with the target
+    step (and the draft step) again to scale them onto the table, so a short call then a longer one do not probe the
+    short one's sizes twice. Passes and the prefix are cut to what both models' position tables hold (a size left out
+    is extrapolated)."""
     draft_model = None if drafter is None else drafter.cost_key
     positions = _positions(target, draft_model)
     sizes = tuple(sorted({1, *(size for size in block_sizes if size <= max(1, positions // 2))}))
     draft_widths = tuple(width for width in draft_widths if width <= max(sizes)) or (1,)
-    key = (_describe(target), _describe(draft_model), torch.get_num_threads(), sizes, tuple(draft_widths))
+    threads = torch.get_num_threads()
+    key = (_describe(target), _describe(draft_model), threads)
     by_draft = _PROBED.setdefault(target, {})
     for stale in [entry for entry in by_draft if entry.ref is not None and entry.ref() is None]:
         del by_draft[stale]  # a freed draft's costs
     probed = by_draft.setdefault(_WeakKey(draft_model), {})
-    if key not in probed:
+    stored = store_key(target, draft_model, drafter, threads)
+    table = probed.get(key) or load_table(stored, CostTable)
+    missing = [size for size in sizes if table is None or size not in table.target_block_seconds]
+    has_passes = table is not None and len(table.draft_pass_seconds) > 0
+    missing_widths = [width for width in draft_widths if has_passes and width not in table.draft_pass_seconds]
+    if table is None or missing or missing_widths:
         generator = torch.Generator().manual_seed(0)  # the ids do not matter, only their number
         vocab_size = target.get_input_embeddings().num_embeddings
         if draft_model is not None and hasattr(draft_model, "get_input_embeddings"):
             vocab_size = min(vocab_size, draft_model.get_input_embeddings().num_embeddings)
         length = max(1, min(PROBE_PREFIX_LENGTH, positions - max(sizes) - 1))
         prefix_ids = torch.randint(vocab_size, (1, length), generator=generator)
-        probed[key] = measure_costs(target, drafter, prefix_ids, list(sizes), repeats, tuple(draft_widths))
-    return probed[key]
+        measured = measure_costs(target, drafter, prefix_ids, missing or [1], repeats,
+                                 tuple(missing_widths) if table is not None else tuple(draft_widths))
+        table = measured if table is None else merged_costs(table, measured)
+        save_table(stored, table)
+    probed[key] = table
+    return table
+
+
+def merged_costs(known: CostTable, measured: CostTable) -> CostTable:
+    """``known`` with the sizes and widths only ``measured`` has, scaled by the ratio of the two tables' steps (each
+    measurement times the target step, and the draft step, again)."""
+    target_scale = known.target_step_seconds / measured.target_step_seconds
+    draft_scale = known.draft_step_seconds / measured.draft_step_seconds if measured.draft_step_seconds else 1.0
+    blocks = {**{size: seconds * target_scale for size, seconds in measured.target_block_seconds.items()},
+              **known.target_block_seconds}
+    passes = {**{width: seconds * draft_scale for width, seconds in measured.draft_pass_seconds.items()},
+              **known.draft_pass_seconds}
+    return CostTable(known.target_step_seconds, known.draft_step_seconds, dict(sorted(blocks.items())),
+                     dict(sorted(passes.items())))
 
 
 def forget_costs(model: PreTrainedModel) -> None:

@@ -38,17 +38,13 @@ from hf_spec.extras import require
 from hf_spec.loading.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, PackagedModel
 from hf_spec.loading.cpu import release_freed_memory
 from hf_spec.loading.wheels import download_wheels
+from hf_spec.storage import cache_dir
 
 __all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "PACKAGED_MODELS", "PackagedModel", "cache_dir", "is_converted", "load",
            "resolve"]
 
 logger = logging.getLogger(__name__)
 _MARKER = "hf_spec_converted.json"  # written last: a folder without it is not a finished conversion
-
-
-def cache_dir() -> Path:
-    """Where wheels and converted models are kept: ``$HF_SPEC_CACHE`` or ``~/.cache/hf_spec``."""
-    return Path(os.environ.get("HF_SPEC_CACHE", Path.home() / ".cache" / "hf_spec"))
 
 
 def resolve(name_or_path: str, cache: Path | None = None) -> str:

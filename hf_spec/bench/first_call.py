@@ -1,0 +1,133 @@
+"""`hf-spec bench --first-call`: each method's first call in a fresh process, as a user meets it in a new notebook or
+script: the pair is loaded (not timed), then one ``generate()`` call is timed, nothing run before it.
+
+Every (workload, setting, prompt, method) runs in its own subprocess (``python -m hf_spec.bench.first_call``), the
+methods' order rotating from one prompt to the next. What a first call may pay and later calls do not: an automatic
+size's cost probe, oneDNN's first-use kernel set-up, allocator growth. Probed costs are kept on disk between processes
+(`hf_spec.drafting.cost_store`); ``store="fresh"`` gives every subprocess an empty store (a machine where hf_spec never
+ran), ``store="shared"`` the user's (every later process).
+
+The report: per (workload, setting, method) each prompt's seconds and new tokens, and the geometric mean over prompts
+of the method's speed (tokens per second) over ``target_only``'s first call on the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_spec.bench.methods import SETTINGS, generate_once, method_spec
+
+
+def worker(job: dict) -> dict:
+    """One fresh process's first call: load the pair, build the prompt, time one ``generate()``."""
+    from hf_spec.bench.workloads import random_workloads, text_workloads
+    from hf_spec.loading.pair import TINY, load_pair
+    from hf_spec.loading.tiny import TINY_VOCAB_SIZE
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    pair = load_pair(job["target"], job["draft"], dtype=job["dtype"], seed=job["seed"])
+    if job["target"] == TINY:  # the same random prompts as the warm bench's
+        prompt = random_workloads((job["workload"],), job["num_prompts"], TINY_VOCAB_SIZE,
+                                  seed=job["seed"])[job["workload"]][job["prompt"]]
+    else:
+        prompts = text_workloads(pair.tokenizer, (job["workload"],), 1, job["offset"] + job["prompt"])
+        prompt = prompts[job["workload"]][0]
+    spec = method_spec(job["method"], job["num_draft_tokens"])
+    settings = {**SETTINGS[job["setting"]], "max_new_tokens": job["max_new_tokens"]}
+    if settings.get("do_sample"):
+        torch.manual_seed(job["seed"] + job["prompt"])
+    draft_kwargs = {} if pair.draft_tokenizer is None else {"tokenizer": pair.tokenizer,
+                                                            "assistant_tokenizer": pair.draft_tokenizer}
+    started = time.perf_counter()
+    sequence, stats = generate_once(spec, pair.target, pair.draft, prompt, settings, draft_kwargs=draft_kwargs)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "new_tokens": int(sequence.shape[0] - prompt["input_ids"].shape[1]),
+            "acceptance_rate": None if stats is None else stats.acceptance_rate,
+            "draft_lengths": None if stats is None else stats.draft_lengths,
+            "cpu_paths": [None if path is None else path.name for path in (pair.target_path, pair.draft_path)]}
+
+
+def run_first_calls(target: str, draft: str, methods: tuple[str, ...], workloads: tuple[str, ...],
+                    settings: tuple[str, ...], num_prompts: int, *, num_draft_tokens: int, max_new_tokens: int,
+                    dtype: str = "fastest", threads: int | None = None, offset: int = 0, seed: int = 0,
+                    store: str = "shared", progress: bool = True) -> dict:
+    """Every (workload, setting, prompt, method) first call, each in a fresh subprocess; the report (JSON-ready)."""
+    if store not in ("shared", "fresh"):
+        raise ValueError(f"`store` must be 'shared' or 'fresh', but is {store!r}.")
+    methods = tuple(dict.fromkeys(["target_only", *methods]))
+    jobs = [{"target": target, "draft": draft, "method": method, "workload": workload, "setting": setting,
+             "prompt": prompt, "num_prompts": num_prompts, "offset": offset, "num_draft_tokens": num_draft_tokens,
+             "dtype": dtype, "max_new_tokens": max_new_tokens, "threads": threads, "seed": seed}
+            for workload in workloads for setting in settings for prompt in range(num_prompts)
+            for turn in range(len(methods)) for method in [methods[(turn + prompt) % len(methods)]]]
+    runs = []
+    for job in tqdm(jobs, desc="first calls", disable=not progress):
+        runs.append({**job, **_in_fresh_process(job, store)})
+    return {"config": {"target": target, "draft": draft, "methods": list(methods), "workloads": list(workloads),
+                       "settings": list(settings), "num_prompts": num_prompts, "num_draft_tokens": num_draft_tokens,
+                       "max_new_tokens": max_new_tokens, "dtype": dtype, "threads": threads, "store": store},
+            "results": summarize_first_calls(runs, methods), "runs": runs}
+
+
+def summarize_first_calls(runs: list[dict], methods: tuple[str, ...]) -> dict:
+    """Per ``"<workload>/<setting>"`` and method: seconds and new tokens per prompt, and the geometric mean of its
+    tokens per second over ``target_only``'s first call on the same prompt."""
+    results = {}
+    for run in runs:
+        group = results.setdefault(f"{run['workload']}/{run['setting']}", {})
+        group.setdefault(run["method"], {})[run["prompt"]] = run
+    summary = {}
+    for name, by_method in results.items():
+        baseline = by_method["target_only"]
+        summary[name] = {}
+        for method in methods:
+            prompts = by_method.get(method, {})
+            ratios = [(run["new_tokens"] / run["seconds"]) / (base["new_tokens"] / base["seconds"])
+                      for p, run in prompts.items() for base in [baseline.get(p)] if base is not None]
+            summary[name][method] = {
+                "seconds": [round(prompts[p]["seconds"], 3) for p in sorted(prompts)],
+                "new_tokens": [prompts[p]["new_tokens"] for p in sorted(prompts)],
+                "speed_over_target_only": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+            }
+    return summary
+
+
+def format_first_calls(report: dict) -> str:
+    """A Markdown table: one row per method, one column per workload and setting (speed over target-only)."""
+    groups = list(report["results"])
+    lines = ["| method (first call in a fresh process) | " + " | ".join(groups) + " |",
+             "|---|" + "---|" * len(groups)]
+    for method in report["config"]["methods"]:
+        cells = []
+        for group in groups:
+            ratio = report["results"][group][method]["speed_over_target_only"]
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _in_fresh_process(job: dict, store: str) -> dict:
+    environment = dict(os.environ)
+    with tempfile.TemporaryDirectory() as empty:
+        if store == "fresh":
+            environment["HF_SPEC_COST_STORE"] = empty
+        finished = subprocess.run([sys.executable, "-m", "hf_spec.bench.first_call", json.dumps(job)],
+                                  capture_output=True, text=True, env=environment, check=False)
+    if finished.returncode != 0:
+        raise RuntimeError(f"The first call of {job['method']} on {job['workload']} prompt {job['prompt']} failed:\n"
+                           f"{finished.stderr[-3000:]}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(json.loads(sys.argv[1]))), flush=True)

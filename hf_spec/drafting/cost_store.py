@@ -1,0 +1,94 @@
+"""Probed costs kept on disk, so that a fresh process's first automatic call starts from measured costs without
+probing: one JSON file per (machine, torch, the two models' architectures, dtypes, devices and kernels, the drafter's
+kind, threads) under ``$HF_SPEC_CACHE/costs`` (`hf_spec.storage.cache_dir`).
+
+Costs depend on the shapes and the kernels, not on the weights' values, so a model is identified by its config, dtype,
+device and the kinds of its modules and hooks (packed layers, the kernel dispatch), never by its weights.
+``$HF_SPEC_COST_STORE=off`` keeps everything in the process (the test suite does); a path puts the files there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hf_spec.storage import cache_dir
+
+#: The variable that moves (a path) or turns off (``off``) the store.
+STORE_VARIABLE = "HF_SPEC_COST_STORE"
+
+
+def store_folder() -> Path | None:
+    """Where tables are kept, or ``None`` when the store is off."""
+    setting = os.environ.get(STORE_VARIABLE)
+    if setting == "off":
+        return None
+    return Path(setting) if setting else cache_dir() / "costs"
+
+
+def store_key(target, draft_model, drafter, threads: int) -> str:
+    """A file name for the costs of this pair on this machine: the hash of everything they depend on."""
+    parts = [_machine(), torch.__version__, str(threads), type(drafter).__name__ if drafter is not None else "",
+             _model_signature(target), _model_signature(draft_model)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def load_table(key: str, table_type: type):
+    """The stored table of ``key`` (a `hf_spec.drafting.costs.CostTable`), or ``None`` (none, unreadable, store off)."""
+    folder = store_folder()
+    if folder is None or not (folder / f"{key}.json").is_file():
+        return None
+    try:
+        values = json.loads((folder / f"{key}.json").read_text())
+        return table_type(values["target_step_seconds"], values["draft_step_seconds"],
+                          {int(size): float(s) for size, s in values["target_block_seconds"].items()},
+                          {int(width): float(s) for width, s in values["draft_pass_seconds"].items()})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged file is measured again, and overwritten
+
+
+def save_table(key: str, table) -> None:
+    """Keep ``table`` for later processes (written whole, then renamed: readers never see half a file)."""
+    folder = store_folder()
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as file:
+            json.dump(dataclasses.asdict(table), file)
+        os.replace(file.name, folder / f"{key}.json")
+    except OSError:
+        pass  # a read-only cache: the costs stay in the process
+
+
+def _machine() -> str:
+    """The CPU model, its feature flags and the machine's architecture (what decides the kernels' speed)."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        model = platform.processor()
+    return f"{platform.machine()} {model} {flags} {os.cpu_count()}"
+
+
+def _model_signature(model) -> str:
+    """A model's config, dtype, device, module kinds and forward hooks' owners (kernel dispatch); no weights."""
+    if model is None:
+        return ""
+    config = getattr(model, "config", None)
+    described = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else ""
+    kinds = sorted({type(module).__name__ for module in model.modules()})
+    hooks = sorted(repr(getattr(getattr(hook, "__self__", None), "path", None))
+                   for hook in model._forward_pre_hooks.values())
+    return f"{described}|{getattr(model, 'dtype', None)}|{getattr(model, 'device', None)}|{kinds}|{hooks}"
