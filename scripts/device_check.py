@@ -161,12 +161,12 @@ def check_exactness(device: torch.device, quick: bool) -> list[dict]:
     fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3}, prompt, 3))
     results.append({"case": "tree of 6 draft-model nodes, depth 3, one row", "prompt": [1, 3, 2],
                     **dataclasses.asdict(fit), "passed": fit.is_consistent})
-    original = hf_spec.rounds.accept_draft_tokens
-    hf_spec.rounds.accept_draft_tokens = _resample_from_p
+    originals = hf_spec.rounds.accept_draft_tokens, hf_spec.rounds.accept_block
+    hf_spec.rounds.accept_draft_tokens = hf_spec.rounds.accept_block = _resample_from_p  # whichever rule runs
     try:  # the negative control: resampling from p instead of the residual must be caught
         samples = sample_rows(target, draft, {}, 2, [[1, 3, 2]], num_samples, device, seed=99)[0]
     finally:
-        hf_spec.rounds.accept_draft_tokens = original
+        hf_spec.rounds.accept_draft_tokens, hf_spec.rounds.accept_block = originals
     fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3},
                                            torch.tensor([[1, 3, 2]], device=device), 3))
     results.append({"case": "negative control: resample from p (must fail)", "prompt": [1, 3, 2],

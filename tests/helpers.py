@@ -108,9 +108,10 @@ def exact_law(model, settings: dict, user_processors: list, prompt: torch.Tensor
 
 
 def sample_speculative(
-    target, draft, settings: dict, user_processors: list, k: int, seed: int, as_rows: bool = True, **extra
+    target, draft, settings: dict, user_processors: list, k: int, seed: int, as_rows: bool = True,
+    num_samples: int = NUM_SAMPLES, **extra
 ) -> np.ndarray:
-    """``[NUM_SAMPLES, NUM_TOKENS]`` samples: rows of one batch (independent samples), or one call per sample."""
+    """``[num_samples, NUM_TOKENS]`` samples: rows of one batch (independent samples), or one call per sample."""
     generator = torch.Generator().manual_seed(seed)
 
     def generate(prompt):
@@ -120,8 +121,8 @@ def sample_speculative(
         )[:, PROMPT.shape[1] :]
 
     if as_rows:
-        return generate(PROMPT.expand(NUM_SAMPLES, -1)).numpy()
-    return np.array([generate(PROMPT)[0].tolist() for _ in range(NUM_SAMPLES)])
+        return generate(PROMPT.expand(num_samples, -1)).numpy()
+    return np.array([generate(PROMPT)[0].tolist() for _ in range(num_samples)])
 
 
 CASES = {

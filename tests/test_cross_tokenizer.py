@@ -66,7 +66,8 @@ def test_a_draft_with_another_tokenizer_samples_the_target_law(small_target, sma
 
 
 def test_negative_control_q_without_the_processor_chain_is_caught(small_target, small_pair, monkeypatch):
-    """Broken: the token is drawn from the processed law, but q is reported from the raw mapped logits."""
+    """Broken: the token is drawn from the processed law, but q is reported from the raw mapped logits. The error
+    it makes is small (a total variation near 0.05 either rule): 6,000 rows see it, 1,500 do not always."""
     original = cross.draw_next
 
     def raw_law_reported(scores, batch, draft_ids, context):
@@ -77,7 +78,7 @@ def test_negative_control_q_without_the_processor_chain_is_caught(small_target, 
     tokenizer, draft_tokenizer, draft = small_pair
     k, settings, user_processors = CASES["temperature_0.7_top_k"]
     samples = sample_speculative(small_target, draft, settings, user_processors, k, seed=41, tokenizer=tokenizer,
-                                 assistant_tokenizer=draft_tokenizer)
+                                 assistant_tokenizer=draft_tokenizer, num_samples=6000)  # a small error: more rows
     result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
     assert not result.is_consistent, result
 

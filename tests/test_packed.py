@@ -17,6 +17,7 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
+    break_rule,
     exact_law,
     left_padded,
     make_noisy_copy,
@@ -73,7 +74,7 @@ def test_speculative_sampling_follows_the_optimized_target_law(small_pair, case)
 
 
 def test_negative_control_resampling_from_p_is_caught_on_the_optimized_path(small_pair, monkeypatch):
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
+    break_rule(monkeypatch, resample_from_p)
     target, draft = small_pair
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(target, draft, settings, user_processors, k, seed=98)

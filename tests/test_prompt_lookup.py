@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import NUM_SAMPLES, exact_law, make_noisy_copy, make_tiny_model, resample_from_p, with_length
+from helpers import NUM_SAMPLES, break_rule, exact_law, make_noisy_copy, make_tiny_model, resample_from_p, with_length
 from transformers import LogitsProcessorList
 
 import hf_spec.rounds
@@ -114,7 +114,7 @@ def test_auto_k_and_lookup_then_model_sampling_match_the_target_law(small_target
 
 def test_negative_control_lookup_resampling_from_p_is_caught(small_target, monkeypatch):
     """A rejected point mass resampled from p instead of p without x over-weights x: it must be caught."""
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
+    break_rule(monkeypatch, resample_from_p)
     settings, drafting = LOOKUP_CASES["lookup_temperature_1"]
     samples = sample_lookup(small_target, settings, seed=3, **drafting)
     result = fit_sequences(samples, exact_law(small_target, settings, [], prompt=LOOKUP_PROMPT))
