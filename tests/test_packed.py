@@ -315,3 +315,19 @@ def test_probed_costs_are_kept_for_the_next_process(monkeypatch, tmp_path):
     costs._PROBED.clear()
     probe_costs(target, ModelDrafter(draft), (2, 3))
     assert len(asked) == 3
+
+
+def test_an_optimized_pair_starts_auto_k_from_its_kernel_timings_without_a_probe(monkeypatch):
+    """`load_pair` times each model's passes to choose its kernels; those timings are the costs auto k starts from,
+    so its first call probes nothing (sizes past the widest timed are extrapolated)."""
+    from hf_spec import load_pair
+
+    pair = load_pair("tiny", "tiny", seed=3)
+    monkeypatch.setattr(costs, "measure_costs", lambda *args: pytest.fail("probed in the call"))
+    output = pair.target.generate(torch.tensor([[3, 1, 4, 1, 5]]), assistant_model=pair.draft, max_new_tokens=12,
+                                  num_assistant_tokens="auto", do_sample=False, return_dict_in_generate=True)
+    assert output.speculative_stats.num_rounds > 0
+    table = probe_costs(pair.target, ModelDrafter(pair.draft), (2, 3, 4))
+    timed = pair.target_path.seconds[pair.target_path.name]
+    assert all(table.target_block_seconds[width] == seconds for width, seconds in timed.items())
+    assert {10, 12} <= set(table.target_block_seconds)  # extrapolated up to auto k's largest pass

@@ -11,6 +11,7 @@ when its kernels change (`hf_spec.loading.packed.optimize` calls it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import weakref
 
@@ -24,7 +25,7 @@ from hf_spec.drafting.speedup import predicted_speedup
 from hf_spec.forward import position_table
 
 #: Tokens of random context before the timed passes (costs grow slowly with the cache length).
-PROBE_PREFIX_LENGTH = 128
+PROBE_PREFIX_LENGTH = 32
 #: The target pass sizes the probe may time; other sizes are interpolated, and sizes past the last extrapolated.
 PROBE_BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 48, 64)
 
@@ -148,6 +149,44 @@ def probe_costs(target: PreTrainedModel, drafter, block_sizes: tuple[int, ...], 
         save_table(stored, table)
     probed[key] = table
     return table
+
+
+def seed_costs(target: PreTrainedModel, drafter, target_seconds: dict[int, float],
+               draft_seconds: dict[int, float], up_to: int) -> CostTable | None:
+    """Costs from timings made anyway (`hf_spec.loading.packed.optimize` times each model's passes to choose its
+    kernels): the target's passes by tokens, and the draft's, as if `probe_costs` had measured them, so that a first
+    automatic call does not probe. Sizes up to ``up_to`` that were not timed are interpolated (extrapolated past the
+    widest, with the last slope, as the sizers would). A table already known (in the process or on disk) wins;
+    returns the table in use, ``None`` when the timings lack the target step."""
+    if 1 not in target_seconds or (drafter is not None and drafter.cost_key is not None and 1 not in draft_seconds):
+        return None
+    draft_model = None if drafter is None else drafter.cost_key
+    threads = torch.get_num_threads()
+    key = (_describe(target), _describe(draft_model), threads)
+    probed = _PROBED.setdefault(target, {}).setdefault(_WeakKey(draft_model), {})
+    stored = store_key(target, draft_model, drafter, threads)
+    table = probed.get(key) or load_table(stored, CostTable)
+    if table is None:
+        known = sorted(target_seconds.items())
+        blocks = {size: interpolated(known, size) for size in sorted({*target_seconds, *probe_sizes(up_to)})}
+        passes = {width: seconds for width, seconds in draft_seconds.items() if width <= 2}
+        table = CostTable(blocks[1], passes.get(1, 0.0), blocks, passes)
+        save_table(stored, table)
+    probed[key] = table
+    return table
+
+
+def interpolated(known: list[tuple[int, float]], size: int) -> float:
+    """Seconds at ``size`` from ``(size, seconds)`` pairs sorted by size: linear between two known sizes, extrapolated
+    with the nearest slope (not below 0), the one figure itself when only one is known."""
+    if len(known) == 1:
+        return known[0][1]
+    for (s0, t0), (s1, t1) in itertools.pairwise(known):
+        if s0 <= size <= s1:
+            return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
+    (s0, t0), (s1, t1) = (known[0], known[1]) if size < known[0][0] else (known[-2], known[-1])
+    slope = max(0.0, (t1 - t0) / (s1 - s0))
+    return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
 
 
 def merged_costs(known: CostTable, measured: CostTable) -> CostTable:

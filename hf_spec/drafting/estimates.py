@@ -16,10 +16,9 @@ per position, and the seconds of draft and target passes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
-from hf_spec.drafting.costs import CostTable
+from hf_spec.drafting.costs import CostTable, interpolated
 
 #: A timing more than this many times away from the running estimate counts as this far (`DecayedMean.add_timing`).
 OUTLIER_RATIO = 1.5
@@ -176,19 +175,6 @@ class PassCosts:
             return (own.total + ANCHOR_WEIGHT * anchored) / (own.weight + ANCHOR_WEIGHT)
         known = sorted((s, m.get(0.0)) for s, m in self.blocks.items())
         return interpolated(known, size) if known else None
-
-
-def interpolated(known: list[tuple[int, float]], size: int) -> float:
-    """Seconds at ``size`` from ``(size, seconds)`` pairs sorted by size: linear between two known sizes, extrapolated
-    with the nearest slope (not below 0), the one figure itself when only one is known."""
-    if len(known) == 1:
-        return known[0][1]
-    for (s0, t0), (s1, t1) in itertools.pairwise(known):
-        if s0 <= size <= s1:
-            return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
-    (s0, t0), (s1, t1) = (known[0], known[1]) if size < known[0][0] else (known[-2], known[-1])
-    slope = max(0.0, (t1 - t0) / (s1 - s0))
-    return max(1e-9, t1 + slope * (size - s1)) if size > s1 else max(1e-9, t0 - slope * (s0 - size))
 
 
 def bounded(seconds: float, estimate: float) -> float:

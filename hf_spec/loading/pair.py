@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from hf_spec.drafting.costs import seed_costs
+from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS
+from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.vocabulary import prune_vocabulary, pruned_size
 from hf_spec.heads.base import DraftHeadBase
 from hf_spec.heads.saved import head_kind, load_head
@@ -191,6 +194,9 @@ def prepare_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None
         pair.target_path = packed.optimize(pair.target, role="target")
         pair.draft_path = packed.optimize(pair.draft, path="dense" if isinstance(draft, DraftHeadBase) else "auto",
                                           role="draft")
+        if not isinstance(draft, DraftHeadBase):  # the kernel timings are the costs auto k starts from: no probe
+            seed_costs(pair.target, ModelDrafter(pair.draft), pair.target_path.seconds.get(pair.target_path.name, {}),
+                       pair.draft_path.seconds.get(pair.draft_path.name, {}), DEFAULT_MAX_DRAFT_TOKENS + 1)
     return pair
 
 
