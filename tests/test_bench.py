@@ -313,6 +313,14 @@ def test_the_library_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
         matplotlib.use(previous)
 
 
+def test_token_methods_run_hf_spec_chains_with_the_token_wise_rule():
+    assert method_spec("hf_spec_k3_token", 5).generate_kwargs == {"num_assistant_tokens": 3, "verification": "token"}
+    assert method_spec("hf_spec_auto_static_token", 5).generate_kwargs["verification"] == "token"
+    for method in ("transformers_token", "hf_spec_tree8_token", "target_only_token"):
+        with pytest.raises(ValueError, match="'_token' selects the token-wise acceptance rule"):
+            method_spec(method, 5)
+
+
 def test_static_and_compiled_methods(tmp_path):
     spec = method_spec("hf_spec_k3_compiled", 5)
     assert spec.is_compiled and spec.generate_kwargs == {"num_assistant_tokens": 3, "cache_implementation": "static"}
