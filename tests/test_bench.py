@@ -434,7 +434,8 @@ def test_the_warm_up_makes_every_cost_probe_the_timed_calls_use(tmp_path, monkey
             "--workloads", "code", "--settings", "greedy", "--methods", "hf_spec_auto", "hf_spec_tree_auto",
             "--kernel-baselines", "--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     assert main(argv) == 0
-    assert probes.count(False) >= 2  # auto k's and the tree's, before the timed calls
+    # the tree's, before the timed calls (auto k's costs come from load_pair's kernel timings: no probe at all)
+    assert probes.count(False) >= 1
     assert (True in probes) == forget, probes
 
 
