@@ -73,10 +73,7 @@ def accept_draft_tokens(
             token, then ``NOT_EMITTED``.
         num_accepted: ``[batch]`` int64 in ``[0, k]``.
     """
-    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
-    vocab_size = target_probs.shape[-1]
-    _check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
-    _check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
+    batch_size, k, vocab_size = _check_block(draft_ids, draft_probs, target_probs)
 
     # 1. Accept x_i while u_i < p_i(x_i) / q_i(x_i), written u_i * q < p so that nothing is divided. Float64 for
     #    the comparison; u in [0, 1) so a token with p = 0 is rejected even when u is exactly 0. q = 0 for a drafted
@@ -126,10 +123,7 @@ def accept_block(
     The rule needs the block's length fixed before drafting (a draft that stops early on its own confidence is
     verified token by token: `hf_spec.rounds.ChainRounds.accept`).
     """
-    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
-    vocab_size = target_probs.shape[-1]
-    _check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
-    _check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
+    batch_size, k, vocab_size = _check_block(draft_ids, draft_probs, target_probs)
 
     stop, residuals = block_laws(draft_ids, draft_probs, target_probs)  # [batch, k + 1], [batch, k + 1, vocab]
 
@@ -188,6 +182,17 @@ def accept_greedy(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple
     num_accepted = (draft_ids == target_ids[:, :k]).long().cumprod(dim=-1).sum(dim=-1)  # [batch]
     next_ids = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [batch]
     return _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+
+
+def _check_block(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+                 ) -> tuple[int, int, int]:
+    """``(batch, k, vocab)`` of a chain's block: ``draft_ids`` [batch, k], ``draft_probs`` [batch, k, vocab],
+    ``target_probs`` [batch, k + 1, vocab]; ``ValueError`` naming the first that does not fit."""
+    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
+    vocab_size = target_probs.shape[-1]
+    _check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
+    _check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
+    return batch_size, k, vocab_size
 
 
 def _check_shape(name: str, tensor: torch.Tensor, dims: int, expected: tuple[int, ...] | None = None) -> tuple:

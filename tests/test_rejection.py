@@ -125,6 +125,17 @@ def _chains(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
 
 
+def _draft_block(q_chain, previous: torch.Tensor, k: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(draft_ids [rows, k], draft_probs [rows, k, vocab])``: k tokens of the draft chain after ``previous``."""
+    draft_ids, draft_probs, context = [], [], previous
+    for _ in range(k):
+        probs = q_chain[context]  # [rows, vocab]
+        context = sample_from_weights(probs, generator)
+        draft_probs.append(probs)
+        draft_ids.append(context)
+    return torch.stack(draft_ids, dim=1), torch.stack(draft_probs, dim=1)
+
+
 def _run_stream(accept, p_chain, q_chain, k, num_rows, generator) -> np.ndarray:
     """First NUM_TOKENS tokens of each row's speculative stream, rows started from token 0: ``[rows, NUM_TOKENS]``."""
     rows = torch.arange(num_rows)
@@ -132,15 +143,9 @@ def _run_stream(accept, p_chain, q_chain, k, num_rows, generator) -> np.ndarray:
     stream = torch.zeros(num_rows, NUM_TOKENS, dtype=torch.long)
     count = torch.zeros(num_rows, dtype=torch.long)
     while (count < NUM_TOKENS).any():
-        draft_ids, draft_probs, context = [], [], previous
-        for _ in range(k):
-            probs = q_chain[context]  # [rows, vocab]
-            context = sample_from_weights(probs, generator)
-            draft_probs.append(probs)
-            draft_ids.append(context)
-        draft_ids = torch.stack(draft_ids, dim=1)  # [rows, k]
+        draft_ids, draft_probs = _draft_block(q_chain, previous, k, generator)
         contexts = torch.cat([previous.unsqueeze(1), draft_ids], dim=1)  # [rows, k + 1]
-        output_ids, num_accepted = accept(draft_ids, torch.stack(draft_probs, dim=1), p_chain[contexts], generator)
+        output_ids, num_accepted = accept(draft_ids, draft_probs, p_chain[contexts], generator)
         for j in range(k + 1):
             is_new = (j <= num_accepted) & (count < NUM_TOKENS)
             stream[rows[is_new], count[is_new]] = output_ids[is_new, j]
@@ -179,10 +184,11 @@ def _q_from_wrong_row(draft_ids, draft_probs, target_probs, generator):
     return accept_draft_tokens(draft_ids, draft_probs.roll(1, dims=0), target_probs, generator)
 
 
+@pytest.mark.parametrize("rule", [accept_draft_tokens, accept_block], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_speculative_stream_has_the_target_law(k):
+def test_speculative_stream_has_the_target_law(rule, k):
     p_chain, q_chain = _chains(seed=0)
-    samples = _run_stream(accept_draft_tokens, p_chain, q_chain, k, 100_000, _gen(k))
+    samples = _run_stream(rule, p_chain, q_chain, k, 100_000, _gen(k if rule is accept_draft_tokens else 20 + k))
     result = fit_sequences(samples, _exact_law(p_chain))
     assert result.is_consistent, result
 
@@ -241,14 +247,6 @@ def _broken_block(scan_first_failure: bool, kept_weight_one: bool):
     return accept
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_block_verification_stream_has_the_target_law(k):
-    p_chain, q_chain = _chains(seed=0)
-    samples = _run_stream(accept_block, p_chain, q_chain, k, 100_000, _gen(20 + k))
-    result = fit_sequences(samples, _exact_law(p_chain))
-    assert result.is_consistent, result
-
-
 @pytest.mark.parametrize("broken", [_broken_block(True, False), _broken_block(False, True)],
                          ids=lambda f: f.__name__)
 def test_negative_control_broken_block_verification_is_caught(broken):
@@ -265,14 +263,7 @@ def test_block_verification_keeps_at_least_as_many_tokens_as_token_wise():
     num_rows = 200_000
     means = {}
     for k in (1, 4):
-        generator = _gen(40 + k)
-        context, draft_ids, draft_probs = torch.zeros(num_rows, dtype=torch.long), [], []
-        for _ in range(k):
-            probs = q_chain[context]
-            context = sample_from_weights(probs, generator)
-            draft_probs.append(probs)
-            draft_ids.append(context)
-        draft_ids, draft_probs = torch.stack(draft_ids, 1), torch.stack(draft_probs, 1)
+        draft_ids, draft_probs = _draft_block(q_chain, torch.zeros(num_rows, dtype=torch.long), k, _gen(40 + k))
         target_probs = p_chain[torch.cat([torch.zeros(num_rows, 1, dtype=torch.long), draft_ids], 1)]
         for name, rule in (("token", accept_draft_tokens), ("block", accept_block)):
             means[name, k] = rule(draft_ids, draft_probs, target_probs, _gen(50))[1].double().mean().item()
