@@ -17,7 +17,8 @@ from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.draft_length import AutoDraftLength
 from hf_spec.drafting.tree import TreeDrafter
 from hf_spec.drafting.tree_size import AutoTreeSize
-from hf_spec.mixin import SpeculativeDecoderOnlyOutput, SpeculativeGenerationMixin, speculative, without_speculation
+from hf_spec.mixin import SpeculativeGenerationMixin, speculative, without_speculation
+from hf_spec.outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from hf_spec.stats import SpeculativeStats
 
 __version__ = "0.2.0"
@@ -33,6 +34,7 @@ __all__ = [
     "Drafter",
     "Eagle3Head",
     "SpeculativeDecoderOnlyOutput",
+    "SpeculativeEncoderDecoderOutput",
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
     "TreeDrafter",

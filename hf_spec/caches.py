@@ -30,14 +30,20 @@ Two kinds of cache keep the invariant: transformers' ``DynamicCache`` (its tenso
 place: the next pass writes over them before any query can see them (a pass writes every position it feeds before
 attending, and a query at position i attends to positions up to i only), so they never reach a later query. A
 static cache's forward passes take the 2D attention mask padded to ``max_cache_len`` (`static_length`).
+
+An encoder-decoder's ``EncoderDecoderCache`` keeps these rules in its self-attention part (`decoder_part`); its
+cross-attention part, and what else the model reads every pass (`attach_inputs`: the encoder's outputs), follow rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import weakref
+from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
+from transformers import Cache, DynamicCache, EncoderDecoderCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import (
     CacheLayerMixin,
     DynamicLayer,
@@ -67,13 +73,50 @@ class ColumnRules:
 def new_cache(model: PreTrainedModel, static_length: int | None = None,
               max_pass: int = DRAFT_PASS_TOKENS) -> DynamicCache | StaticCache:
     """A fresh, rollback-ready cache for ``model`` (the draft's; generate() makes the target's): dynamic, or static
-    with ``static_length`` positions; ``max_pass``: the most tokens a pass after the first feeds (what a rollback may
-    drop)."""
+    with ``static_length`` positions (beside a cross-attention cache where it reads an encoder's outputs);
+    ``max_pass``: the most tokens a pass after the first feeds (what a rollback may drop)."""
     config = model.config.get_text_config(decoder=True)
     cache = (DynamicCache(config=config) if static_length is None
              else StaticCache(config=config, max_cache_len=static_length))
+    if reads_encoder_outputs(model):
+        cache = EncoderDecoderCache(cache, DynamicCache(config=config))
     prepare_for_rollback(cache, "assistant_model", max_pass, model_type(model))
     return cache
+
+
+def reads_encoder_outputs(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s decoder attends over an encoder's outputs: an encoder-decoder model, or a decoder taking
+    another model's (``encoder_outputs``: Whisper's decoder as distil-whisper's assistant, `WhisperForCausalLM`)."""
+    forward = getattr(type(model), "forward", None)  # a draft head's layers stand in for a model without one
+    takes_encoder_outputs = forward is not None and "encoder_outputs" in inspect.signature(forward).parameters
+    return bool(model.config.is_encoder_decoder) or takes_encoder_outputs
+
+
+def decoder_part(cache: Cache) -> Cache:
+    """The part of ``cache`` the decoder's tokens fill: an ``EncoderDecoderCache``'s self-attention cache, else all."""
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
+def attach_inputs(cache: Cache, inputs: dict[str, Any]) -> None:
+    """What a model reads on every pass beside its tokens, held with its cache (`attached_inputs`): tensors whose
+    first dimension is the batch's rows, or model outputs holding such tensors; they follow `select_rows`."""
+    _ATTACHED[cache] = dict(inputs)
+
+
+def attached_inputs(cache: Cache) -> dict[str, Any]:
+    return _ATTACHED.get(cache, {})
+
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {forward argument: per-row value}
+
+
+def _select(value: Any, rows: torch.Tensor) -> Any:
+    """``value`` with only ``rows`` of every tensor it holds (a model output: a copy of the same class)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_select(item, rows) for item in value)
+    if isinstance(value, dict):  # transformers' ModelOutput is a dict of its set fields
+        return type(value)(**{name: _select(item, rows) for name, item in value.items()})
+    return value.index_select(0, rows.to(value.device)) if isinstance(value, torch.Tensor) else value
 
 
 def model_type(model: PreTrainedModel) -> str:
@@ -83,6 +126,7 @@ def model_type(model: PreTrainedModel) -> str:
 
 def static_length(cache: Cache | None) -> int | None:
     """``max_cache_len`` of a static cache, ``None`` for a dynamic one."""
+    cache = None if cache is None else decoder_part(cache)
     return cache.layers[0].max_cache_len if isinstance(cache, StaticCache) else None
 
 
@@ -99,6 +143,7 @@ def prepare_for_rollback(cache: Cache | None, argument: str, max_pass: int, mode
         max_pass: the most tokens a forward pass after the first feeds.
         model: the model's type, for the error message (`model_type`).
     """
+    cache = None if cache is None else decoder_part(cache)
     layers = getattr(cache, "layers", [])
     layer_types = sorted({type(layer).__name__ for layer in layers})
     is_static = (isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in layers)
@@ -128,7 +173,7 @@ def prepare_for_rollback(cache: Cache | None, argument: str, max_pass: int, mode
 
 def column_rules(cache: Cache | None) -> ColumnRules:
     """What ``cache``'s layers ask of the batch's columns (the module docstring)."""
-    layers = getattr(cache, "layers", [])
+    layers = getattr(None if cache is None else decoder_part(cache), "layers", [])
     windows = [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)]
     has_recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
     return ColumnRules(max(windows, default=None), not has_recurrent)
@@ -138,7 +183,8 @@ def attends(cache: Cache) -> bool:
     """Whether any layer of ``cache`` attends over its positions (keys and values); a recurrent-only cache (Mamba's)
     does not, and its model reads the attention mask of the tokens fed only (transformers feeds it none when
     decoding)."""
-    return not cache.layers or any(isinstance(layer, CacheLayerMixin) for layer in cache.layers)
+    layers = decoder_part(cache).layers
+    return not layers or any(isinstance(layer, CacheLayerMixin) for layer in layers)
 
 
 def move_columns(cache: Cache, first: int, order: torch.Tensor) -> None:
@@ -150,7 +196,7 @@ def move_columns(cache: Cache, first: int, order: torch.Tensor) -> None:
     source before the layer's first entry feeds a column before the window, which the next crop drops, and a source
     past its last (a draft's cache one column short) is a hole, masked wherever it lands.
     """
-    for layer in cache.layers:
+    for layer in decoder_part(cache).layers:
         if getattr(layer, "keys", None) is None or not layer.is_initialized or layer.keys.numel() == 0:
             continue  # a recurrent layer has no columns (its calls never move any: `ColumnRules.allows_holes`)
         held = layer.keys.shape[-2]
@@ -180,12 +226,19 @@ def crop_to(cache: Cache, length: int) -> None:
     """
     held = cache_length(cache)
     if held > 0:  # an empty cache has nothing to drop (and transformers' sliding layers cannot crop before a pass)
-        cache.crop(min(0, length - held))
+        decoder_part(cache).crop(min(0, length - held))
 
 
 def select_rows(cache: Cache, rows: torch.Tensor) -> None:
     """Keep only ``rows`` ``[kept]`` (batch indices) of the cache: finished rows leave it (a static cache's tensors
-    are reallocated for the smaller batch: a compiled pass then compiles for the new batch size, once)."""
+    are reallocated for the smaller batch: a compiled pass then compiles for the new batch size, once). An encoder-
+    decoder cache's cross-attention part and the inputs attached to the cache (`attach_inputs`) follow."""
+    if cache in _ATTACHED:
+        _ATTACHED[cache] = {name: _select(value, rows) for name, value in _ATTACHED[cache].items()}
+    if isinstance(cache, EncoderDecoderCache):
+        for layer in cache.cross_attention_cache.layers:
+            layer.reorder_cache(rows)
+        cache = cache.self_attention_cache
     if not isinstance(cache, StaticCache):
         for layer in cache.layers:  # `reorder_cache` selects every state a layer holds (keys, conv, recurrent)
             layer.reorder_cache(rows)
@@ -224,7 +277,7 @@ def fit_prompt(cache: Cache, prompt_length: int) -> None:
 
 def check_cache_rows(cache: Cache, batch_size: int, argument: str) -> None:
     """A filled cache must hold one row per row of the input (its first filled layer says how many it holds)."""
-    for layer in cache.layers:
+    for layer in decoder_part(cache).layers:
         states = [getattr(layer, name, None) for name in ("keys", "conv_states", "recurrent_states")]
         held = next((tensor.shape[0] for tensor in states if isinstance(tensor, torch.Tensor) and tensor.numel()), None)
         if held is not None and held != batch_size and cache_length(cache) > 0:
@@ -239,11 +292,11 @@ def keep_tree_path(cache: Cache, num_committed: int, columns: list[int]) -> None
     order (a tree's accepted path: its keys and values were computed at the positions the path now has, so they are
     kept as they are, not recomputed); drop the rest of the tree.
 
-    Only ``DynamicLayer`` and ``StaticLayer`` caches can be rearranged this way (`check_tree_cache`).
-    The path's few entries are gathered and written over the positions right after the prefix, then the rest is cut
-    off (a view): the cache itself is not copied.
+    Only ``DynamicLayer`` and ``StaticLayer`` caches can be rearranged this way (`check_tree_cache`). The path's
+    few entries are gathered and written right after the prefix, then the rest is cut off (a view, not a copy).
     """
     end = num_committed + len(columns)
+    cache = decoder_part(cache)
     for layer in cache.layers:
         if not layer.is_initialized or layer.keys.numel() == 0:
             continue
@@ -259,7 +312,8 @@ def keep_tree_path(cache: Cache, num_committed: int, columns: list[int]) -> None
 
 def check_tree_cache(cache: Cache, argument: str) -> None:
     """Refuse a cache whose layers `keep_tree_path` cannot rearrange (sliding windows keep only their window)."""
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (DynamicLayer, StaticLayer)})
+    layers = decoder_part(cache).layers
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, StaticLayer)})
     if kinds:
         raise ValueError(f"Tree drafts keep the accepted path's entries of `{argument}`, which needs plain "
                          f"DynamicLayer or StaticLayer layers, but it has {', '.join(kinds)}; use a chain of drafts "

@@ -1,16 +1,17 @@
 """The speculative decoding loop: draft, verify, accept, stop, commit and roll back. One loop for chains and trees.
 
-What it does: for a decoder-only target and a drafter that shares its tokenizer, each round drafts tokens from the
+What it does: for a target and a drafter that shares its tokenizer, each round drafts tokens from the
 drafter's law q (a chain of k per row, or a tree), runs the target once over them to get p after every drafted token,
 keeps an accepted prefix (or path) plus one recovered or bonus token (`hf_spec.rejection`), stops exactly where
 target-only decoding would, and rolls both caches back (`hf_spec.caches`). The output law equals target-only sampling
 (or greedy decoding). The round's shape, chain or tree, is a strategy object (`hf_spec.rounds`) chosen once per call.
 
-What it does not do: beam search, several return sequences, encoder-decoder models, caches that cannot be rolled
-back exactly; these are refused before the loop starts (`hf_spec.validation`, `hf_spec.caches`). Rows of a batch
-advance by different amounts: `hf_spec.rows` keeps their bookkeeping (and what sliding windows and recurrent states
-ask of it) out of this loop, `hf_spec.recording` keeps scores,
-logits, the streamer and timings, and the sizers in `hf_spec.drafting` choose each round's size.
+Encoder-decoder targets (T5, BART, Whisper) run their encoder once per call, before this loop; the loop speculates
+their decoder (`hf_spec.conditioning`). What it does not do: beam search, several return sequences, caches that
+cannot be rolled back exactly; these are refused before the loop starts (`hf_spec.validation`, `hf_spec.caches`).
+Rows of a batch advance by different amounts: `hf_spec.rows` keeps their bookkeeping (and what sliding windows and
+recurrent states ask of it) out of this loop, `hf_spec.recording` keeps scores, logits, the streamer and timings, and
+the sizers in `hf_spec.drafting` choose each round's size.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 
 from hf_spec.caches import crop_to, move_columns, select_rows
+from hf_spec.conditioning import Conditioning
 from hf_spec.drafting.base import DraftContext, Drafter
 from hf_spec.forward import has_invalid_values, model_column_rules
 from hf_spec.profiling import RoundClock, profiled_call
@@ -57,6 +59,7 @@ def speculative_decode(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     streamer: BaseStreamer | None = None,
+    conditioning: Conditioning | None = None,
 ) -> DecodeResult:
     """Generate with the target, speculating a chain or a tree of draft tokens per round.
 
@@ -73,6 +76,8 @@ def speculative_decode(
         pad_token_id: fills finished rows and holes.
         generator: randomness for drafting and acceptance; ``None`` uses torch's default generator.
         streamer: receives every emitted token once, in order (batch of one).
+        conditioning: what the models read beside the tokens (`hf_spec.conditioning`): an encoder's outputs (attached
+            to ``target_cache`` already), the prompt's images (in ``target_cache`` already); the drafter gets it too.
     """
     stats = SpeculativeStats(verification=rounds.rule(generation_config.do_sample))
     recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
@@ -81,7 +86,7 @@ def speculative_decode(
     rules = model_column_rules(target, target_cache) | rounds.drafter.column_rules()  # windows, recurrent states
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id, rules)
     with _exclusive(rounds.drafter), profiled_call(target, input_ids.device) as profile:  # one call per drafter
-        rounds.start(batch, target_cache)
+        rounds.start(batch, target_cache, conditioning or Conditioning())
         try:
             while batch.num_active > 0:
                 timer, clock = RoundTimer(synchronize=rounds.is_timed), RoundClock(profile)  # clock: when profiled

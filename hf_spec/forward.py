@@ -4,6 +4,7 @@ states a draft head reads (``feature_layers``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from hf_spec.caches import ColumnRules, attends, cache_length, column_rules, crop_to, static_length
+from hf_spec.caches import ColumnRules, attached_inputs, attends, cache_length, column_rules, crop_to, static_length
 from hf_spec.compat import attention_implementation
 from hf_spec.compiled import active_forward, pad_inputs, padded_width, run_post_hooks, run_pre_hooks, strip_padding
 from hf_spec.profiling import timed_forward
@@ -45,13 +46,14 @@ def forward_missing(
 def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
          feature_layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass: ``(logits [batch, num_logits, vocab] float32, features [batch, fed, F] or None)``."""
-    num_fed = inputs["input_ids"].shape[1]
+    num_fed = inputs[input_names(type(model)).ids].shape[1]
     extra = {} if feature_layers is None else {"output_hidden_states": list(feature_layers)}
     with timed_forward(model, num_fed):  # counted only in a profiled call
         compiled, width = active_forward(model), padded_width(num_fed)  # a static cache's chain pass: compiled
         mask = inputs.get("attention_mask")
         cached = cache_length(inputs["cache"]) if compiled is not None else 0
         if (compiled is not None and width is not None and (mask is None or mask.dim() == 2)  # not a tree's pass
+                and "input_ids" in inputs  # a decoder-only model's (a static encoder-decoder cache is refused)
                 and cached + width <= (static_length(inputs["cache"]) or 0)):  # a static cache the padding fits in
             run_pre_hooks(model, inputs)
             output = None
@@ -77,18 +79,48 @@ def _missing_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, a
         position_ids = torch.arange(num_cached, sequence_ids.shape[1], device=sequence_ids.device).unsqueeze(0)
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min_(0)[:, num_cached:]
-    inputs = {"input_ids": sequence_ids[:, num_cached:], "cache": cache}
-    if _takes_position_ids(type(model)):  # a model without them places tokens by cache position (no holes then)
-        inputs["position_ids"] = position_ids
+    names = input_names(type(model))
+    inputs = {**attached_inputs(cache), names.ids: sequence_ids[:, num_cached:], "cache": cache}
+    if names.positions is not None:  # a model without them places tokens by cache position (no holes then)
+        inputs[names.positions] = position_ids
     length = static_length(cache)
     if length is not None:  # a static cache attends over all its positions: the mask has as many, 0 past the fed
         mask = torch.ones_like(sequence_ids) if attention_mask is None else attention_mask
-        inputs["attention_mask"] = F.pad(mask, (0, length - mask.shape[1]))
+        inputs[names.mask] = F.pad(mask, (0, length - mask.shape[1]))
     elif attention_mask is not None:
-        inputs["attention_mask"] = attention_mask if attends(cache) else attention_mask[:, num_cached:]
+        inputs[names.mask] = attention_mask if attends(cache) else attention_mask[:, num_cached:]
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
     return inputs
+
+
+#: Config attributes naming the placeholder ids a vision-language prompt holds where its images go.
+PLACEHOLDER_IDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id")
+
+
+@torch.no_grad()
+def prefill(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            prompt_inputs: dict) -> None:
+    """Feed the prompt but its last token, with what only the prompt's pass reads (``prompt_inputs``: a
+    vision-language model's pixel values...), into an empty ``cache``: later passes read the images' keys and
+    values from it. Nothing to do without ``prompt_inputs``.
+
+    Args:
+        sequence_ids: ``[batch, prompt]``; no row may end in an image placeholder (that token is fed again later,
+            without its image).
+    """
+    if not prompt_inputs:
+        return
+    placeholders = {getattr(model.config, name, None) for name in PLACEHOLDER_IDS} - {None}
+    if cache_length(cache) > 0 or sequence_ids.shape[1] < 2:
+        raise ValueError(f"Image inputs ({', '.join(sorted(prompt_inputs))}) need a prompt of at least 2 tokens and "
+                         "no `cache=` holding part of it: they are read in the prompt's own pass.")
+    if placeholders and bool(torch.isin(sequence_ids[:, -1], torch.tensor(sorted(placeholders))).any()):
+        raise ValueError(f"A prompt of `input_ids` ends in an image placeholder ({sorted(placeholders)}); end it with "
+                         "text (the chat template's generation prompt does).")
+    mask = None if attention_mask is None else attention_mask[:, :-1]
+    inputs = _missing_inputs(model, cache, sequence_ids[:, :-1], mask, num_logits=1)
+    model(**inputs, **prompt_inputs, use_cache=True)
 
 
 def forward_tree(
@@ -153,8 +185,12 @@ def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, atte
         visible = F.pad(visible, (0, static_length(cache) - visible.shape[1]))
     positions = is_real.long().cumsum(0) - 1  # [length]
     position_ids = torch.cat([positions[length - num_missing:], positions[-1] + node_depths])  # [missing + m]
-    inputs = {"input_ids": torch.cat([missing_ids, node_ids])[None], "position_ids": position_ids[None],
-              "attention_mask": tree_attention_mask(model, visible), "cache": cache}
+    names = input_names(type(model))
+    if names.positions is None:
+        raise ValueError(f"Tree drafts place each node at its depth's position, which {type(model).__name__}'s "
+                         "forward cannot take (it places tokens by cache position); leave `num_tree_nodes` unset.")
+    inputs = {**attached_inputs(cache), names.ids: torch.cat([missing_ids, node_ids])[None],
+              names.positions: position_ids[None], names.mask: tree_attention_mask(model, visible), "cache": cache}
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
     return inputs
@@ -183,12 +219,27 @@ def model_column_rules(model: PreTrainedModel, cache) -> ColumnRules:
     config = model.config.get_text_config(decoder=True)
     is_chunked = ("chunked_attention" in (getattr(config, "layer_types", None) or ())
                   or getattr(config, "attention_chunk_size", None) is not None)
-    return column_rules(cache) | ColumnRules(allows_holes=_takes_position_ids(type(model)) and not is_chunked)
+    takes_positions = input_names(type(model)).positions is not None
+    return column_rules(cache) | ColumnRules(allows_holes=takes_positions and not is_chunked)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputNames:
+    """What a model's forward calls the decoder's tokens, their attention mask and their positions (``None``: it
+    takes none): ``input_ids``..., or an encoder-decoder's ``decoder_input_ids``..."""
+
+    ids: str
+    mask: str
+    positions: str | None
 
 
 @functools.cache
-def _takes_position_ids(model_class: type) -> bool:
-    return "position_ids" in inspect.signature(model_class.forward).parameters
+def input_names(model_class: type) -> InputNames:
+    """The `InputNames` of ``model_class``'s forward."""
+    parameters = inspect.signature(model_class.forward).parameters
+    prefix = "decoder_" if "decoder_input_ids" in parameters else ""
+    positions = f"{prefix}position_ids"
+    return InputNames(f"{prefix}input_ids", f"{prefix}attention_mask", positions if positions in parameters else None)
 
 
 @functools.cache

@@ -16,8 +16,8 @@ Extra ``generate()`` arguments:
 - ``num_tree_nodes``: draft a tree of at most this many tokens per round instead of a chain, all verified in one
   target pass (a batch of one row); ``"auto"`` chooses the budget and branching every round (`hf_spec.AutoTreeSize`).
 
-With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput`, carrying
-``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
+With ``return_dict_in_generate=True`` the output is a `SpeculativeDecoderOnlyOutput` (an encoder-decoder's:
+`SpeculativeEncoderDecoderOutput`), carrying ``speculative_stats`` (`hf_spec.stats.SpeculativeStats`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,15 @@ from typing import Any
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_spec.caches import check_cache_rows, fit_prompt, model_type, prepare_for_rollback, static_length
+from hf_spec.caches import (
+    attach_inputs,
+    check_cache_rows,
+    fit_prompt,
+    model_type,
+    prepare_for_rollback,
+    static_length,
+)
 from hf_spec.compat import (
     check_generation_hooks,
     forgetting_output_capture,
@@ -43,7 +49,10 @@ from hf_spec.compat import (
     warn_if_untested,
 )
 from hf_spec.compiled import compiling
+from hf_spec.conditioning import Conditioning, media_inputs, split_model_kwargs
 from hf_spec.decoding import speculative_decode
+from hf_spec.forward import prefill
+from hf_spec.outputs import generate_output
 from hf_spec.plan import (
     VERIFICATIONS,
     CallOptions,
@@ -54,13 +63,11 @@ from hf_spec.plan import (
     user_settings,
 )
 from hf_spec.rounds import Rounds
-from hf_spec.stats import SpeculativeStats
 from hf_spec.validation import (
     refuse_unsupported,
     validate_generator,
     validate_input_types,
     validate_input_values,
-    validate_model_kwargs,
     validate_sampling_settings,
 )
 from logits_processors import check_processors
@@ -71,13 +78,6 @@ logger = logging.getLogger(__name__)
 # newer than the tested range gets one warning.
 check_generation_hooks()
 warn_if_untested()
-
-
-@dataclasses.dataclass
-class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """transformers' decoder-only generate output plus the speculative statistics of the call."""
-
-    speculative_stats: SpeculativeStats | None = None
 
 
 @dataclasses.dataclass
@@ -123,21 +123,26 @@ class SpeculativeGenerationMixin(GenerationMixin):
         if isinstance(kwargs.get("custom_generate"), str):  # transformers hands every argument to the recipe, which
             if generator is not None:  # calls this method again: hf_spec's own arguments go along with the rest
                 kwargs["generator"] = generator
-            return super().generate(inputs, generation_config, *args, **kwargs)
+            return super().generate(*_positional(inputs, generation_config, args), **kwargs)
         settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
         kwargs.pop("num_tree_nodes", None), kwargs.pop("verification", None)  # transformers would keep them
         if "custom_generate" not in kwargs and id(self) not in _WITHOUT_SPECULATION.get():
             merged = merged_generation_config(self, generation_config, kwargs)
             if kwargs.get("assistant_model") is not None or _is_our_prompt_lookup(merged):
                 # before transformers' own handling, which fails on these without naming the argument
-                validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
-                                     kwargs.get("attention_mask"))
+                if self.config.is_encoder_decoder:  # the decoder's prompt; the encoder reads `inputs`
+                    if kwargs.get("decoder_input_ids") is not None:
+                        validate_input_types(kwargs["decoder_input_ids"], kwargs.get("decoder_attention_mask"),
+                                             "decoder_")
+                else:
+                    validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
+                                         kwargs.get("attention_mask"))
                 refuse_unsupported(self, merged, {name: kwargs[name] for name in ("tokenizer", "assistant_tokenizer")
                                                   if kwargs.get(name) is not None}, settings)
-        token = _CALL.set(_Call(CallOptions(generator=generator, settings=settings)))
+        token = _CALL.set(_Call(CallOptions(generator=generator, settings=settings, media=media_inputs(self, kwargs))))
         try:
             with forgetting_output_capture(self):
-                return super().generate(inputs, generation_config, *args, **kwargs)
+                return super().generate(*_positional(inputs, generation_config, args), **kwargs)
         finally:
             _CALL.reset(token)
 
@@ -185,20 +190,24 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
             )
         rounds = call.rounds
+        conditioning = split_model_kwargs(self, model_kwargs, inputs_tensor, call.options.media)
         target_cache, pad_token_id = self._check_assisted_call(input_ids, generation_config, synced_gpus, streamer,
-                                                               rounds, logits_processor, model_kwargs)
+                                                               rounds, logits_processor, model_kwargs, conditioning)
+        attach_inputs(target_cache, conditioning.every_pass)
+        prefill(self, target_cache, input_ids, conditioning.decoder_mask, conditioning.prompt_only)
         start_sizer(self, rounds, generation_config.max_length - input_ids.shape[1])
         with compiling([self, rounds.drafter.cost_key], compile_config_of(generation_config, target_cache)):
             result = speculative_decode(
-                self, rounds, input_ids, model_kwargs.get("attention_mask"), target_cache,
+                self, rounds, input_ids, conditioning.decoder_mask, target_cache,
                 logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, pad_token_id=pad_token_id, generator=call.options.generator,
-                streamer=streamer,
+                streamer=streamer, conditioning=conditioning,
             )
-        return _generate_output(result, generation_config, target_cache, input_ids.shape[0])
+        return generate_output(result, generation_config, target_cache, input_ids.shape[0],
+                                self.config.is_encoder_decoder)
 
     def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, rounds: Rounds,
-                             logits_processor, model_kwargs):
+                             logits_processor, model_kwargs, conditioning: Conditioning):
         """``(target cache, pad id)`` once everything the loop cannot do exactly has been refused by name."""
         if synced_gpus:
             raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
@@ -211,10 +220,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
             )
         if batch_size > 1 and streamer is not None:
             raise ValueError(f"`streamer` supports a batch of one row, but `input_ids` has {batch_size} rows.")
-        validate_model_kwargs(model_kwargs)
-        attention_mask = model_kwargs.get("attention_mask")
-        validate_input_types(input_ids, attention_mask)
-        validate_input_values(input_ids, attention_mask, self.config.get_text_config().vocab_size)
+        validate_input_types(input_ids, conditioning.decoder_mask)
+        vocab_size = self.config.get_text_config(decoder=True).vocab_size
+        validate_input_values(input_ids, conditioning.decoder_mask, vocab_size)
         validate_generator(_current_call().options.generator, self)
         rounds.drafter.check(self, generation_config.max_length)
         check_processors(logits_processor)
@@ -225,6 +233,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
                              "after every round; hf_spec cannot speculate with this model.")
         max_pass = rounds.max_pass(generation_config.max_length - input_ids.shape[1])
         prepare_for_rollback(target_cache, "cache", max_pass + 1, model_type(self))
+        if self.config.is_encoder_decoder and static_length(target_cache) is not None:
+            raise ValueError(f"A static cache (`cache_implementation='static'`) with an encoder-decoder model "
+                             f"({type(self).__name__}) is not supported by hf_spec yet; use the default dynamic cache.")
         target_cache = sized_static_cache(self, target_cache, input_ids, generation_config, max_pass)
         check_cache_rows(target_cache, batch_size, "cache")
         fit_prompt(target_cache, input_ids.shape[1])
@@ -239,24 +250,19 @@ def _unpickle_speculative(model_class: type) -> PreTrainedModel:
     return _speculative_class(model_class).__new__(_speculative_class(model_class))
 
 
+def _positional(inputs, generation_config, args: tuple) -> tuple:
+    """generate()'s positional arguments as given, ``inputs`` left out when unset: a model's own generate() may call
+    its first argument otherwise (Whisper's ``input_features``, passed by name)."""
+    if inputs is None and generation_config is None and not args:
+        return ()
+    return (inputs, generation_config, *args)
+
+
 def compile_config_of(generation_config, target_cache):
     """The ``compile_config`` to run this call's passes with: set, on a static cache, and not ``disable_compile``."""
     if generation_config.disable_compile or static_length(target_cache) is None:
         return None
     return generation_config.compile_config
-
-
-def _generate_output(result, generation_config, target_cache, batch_size: int):
-    """What generate() returns: the sequences, or transformers' output with the statistics."""
-    if not generation_config.return_dict_in_generate:
-        return result.sequences
-    return SpeculativeDecoderOnlyOutput(
-        sequences=result.sequences,
-        scores=result.scores,
-        logits=result.logits,
-        cache=target_cache if batch_size == 1 else None,
-        speculative_stats=result.stats,
-    )
 
 
 def speculative(model: PreTrainedModel) -> PreTrainedModel:

@@ -67,6 +67,9 @@ class CallOptions:
 
     generator: torch.Generator | None = None
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # `READ_SETTINGS` the user set, by name
+    # a vision-language target's raw image inputs (transformers encodes and drops them before the loop): a
+    # vision-language draft encodes them with its own vision tower
+    media: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def user_settings(kwargs: dict, generation_config: GenerationConfig | None, target: PreTrainedModel,

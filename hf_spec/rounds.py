@@ -30,6 +30,7 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.caches import check_tree_cache, keep_tree_path, static_length
+from hf_spec.conditioning import Conditioning
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, FixedDraftLength
 from hf_spec.drafting.tree import DraftTree, TreeDrafter
@@ -73,11 +74,12 @@ class Rounds(abc.ABC):
         """Whether the sizer learns from timings (the loop then synchronizes an accelerator before reading clocks)."""
         return self.sizer.is_timed
 
-    def start(self, batch: RaggedBatch, target_cache) -> None:
+    def start(self, batch: RaggedBatch, target_cache, conditioning: Conditioning) -> None:
         """Before the first round: refuse what this shape cannot do, and reset the drafter's state (a draft model's
-        cache of the target's kind, dynamic or static)."""
+        cache of the target's kind, dynamic or static), then hand it what the models read beside the tokens."""
         self.drafter.match_cache(static_length(target_cache))
         self.drafter.reset()
+        self.drafter.condition(conditioning, batch.model_ids, batch.model_mask)
         # a static cache holds what `max_drafted` allows (`hf_spec.plan.static_cache_length`), and recurrent layers
         # record the states of that many tokens a pass (`hf_spec.caches.prepare_for_rollback`): no round drafts more
         is_bounded = static_length(target_cache) is not None or not batch.rules.allows_holes
@@ -200,13 +202,13 @@ class TreeRounds(Rounds):
         self.drafter, self.sizer = drafter, sizer
         self.chain = ChainRounds(drafter, sizer, verification="token")  # a tree's chain rounds: per-node rule too
 
-    def start(self, batch: RaggedBatch, target_cache) -> None:
+    def start(self, batch: RaggedBatch, target_cache, conditioning: Conditioning) -> None:
         if batch.batch_size != 1:
             raise ValueError(f"Tree drafts (`num_tree_nodes`) support a batch of one row, but `input_ids` has "
                              f"{batch.batch_size} rows: each row would need its own tree and accepted path in the "
                              "cache. Leave `num_tree_nodes` unset to draft chains, which batch.")
         check_tree_cache(target_cache, "cache")
-        super().start(batch, target_cache)
+        super().start(batch, target_cache, conditioning)
 
     def draft(self, batch: RaggedBatch, tokens_left: int, context: DraftContext) -> DraftTree | Proposal:
         choice = self.sizer.choose_tree(tokens_left, self.drafter.growth)

@@ -53,6 +53,15 @@ class SpeculativeStats:
     profile: dict[str, float] | None = None
     profile_passes: dict[str, int] | None = None
 
+    def __getitem__(self, row: int) -> SpeculativeStats:
+        """Row ``row``'s own counters (`rows`): what splitting a generate() output by row gives (Whisper's generate()
+        splits every field of the inner call's output that way)."""
+        return self.rows[row]
+
+    def cpu(self) -> SpeculativeStats:
+        """Itself: counters live on the host (for code that moves every output field there)."""
+        return self
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens (0.0 before any proposal)."""

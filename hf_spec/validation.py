@@ -12,8 +12,6 @@ from transformers.generation.configuration_utils import GenerationMode
 from hf_spec.compat import ignores_recurrent_recording, records_recurrent_states
 from hf_spec.settings import check_settings
 
-#: Model kwargs the speculative loop consumes; any other forward kwarg would be silently dropped, so it is refused.
-SUPPORTED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"})
 #: Families whose forward pass breaks what a speculative loop relies on (found on tiny configs of every causal-LM
 #: family, `hf_spec.evaluation.zoo`), by ``model_type``: why none of them can be verified exactly.
 UNSUPPORTED_FAMILIES = {
@@ -52,9 +50,6 @@ def refuse_unsupported(target: PreTrainedModel, generation_config: GenerationCon
     Every setting goes through `hf_spec.settings.check_settings` (``user_settings``: the assisted-generation settings
     where the user set them).
     """
-    if target.config.is_encoder_decoder:
-        raise ValueError(f"hf_spec supports decoder-only models; `model` ({type(target).__name__}) is an "
-                         "encoder-decoder model.")
     refuse_unsupported_family(target, "model")
     base_mode = generation_config.get_generation_mode()
     # prompt lookup turns greedy and sampling into assisted generation, and only those
@@ -120,41 +115,30 @@ def is_other_vocabulary(tokenizer: Any, assistant_tokenizer: Any) -> bool:
     return assistant_tokenizer is not None and tokenizer.get_vocab() != assistant_tokenizer.get_vocab()
 
 
-def validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:
-    """Refuse forward kwargs the speculative loop would not pass on (they would be silently ignored)."""
-    unsupported = sorted(  # an empty one (a vision-language model's text-only prompt: no image outputs) is nothing
-        key for key, value in model_kwargs.items()
-        if key not in SUPPORTED_MODEL_KWARGS and value is not None and not (isinstance(value, dict) and not value)
-    )
-    if unsupported:
-        raise ValueError(
-            f"Model inputs {unsupported} are not supported with `assistant_model`; hf_spec feeds `input_ids`, "
-            "`attention_mask` and positions only."
-        )
-
-
-def validate_input_types(input_ids: Any, attention_mask: Any) -> None:
+def validate_input_types(input_ids: Any, attention_mask: Any, prefix: str = "") -> None:
     """``input_ids`` a ``[batch, length]`` integer tensor with at least one token; ``attention_mask`` a tensor of its
-    shape. No host synchronization."""
+    shape. No host synchronization. ``prefix``: ``"decoder_"`` for an encoder-decoder's decoder prompt (the names in
+    the errors)."""
+    ids_name, mask_name = f"`{prefix}input_ids`", f"`{prefix}attention_mask`"
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"`input_ids` must be a torch.Tensor of token ids (tokenize with return_tensors='pt'), but is "
+        raise TypeError(f"{ids_name} must be a torch.Tensor of token ids (tokenize with return_tensors='pt'), but is "
                         f"{type(input_ids).__name__}.")
     if input_ids.dim() != 2:
-        raise ValueError(f"`input_ids` must have shape [batch, length], but has shape {tuple(input_ids.shape)}; add "
+        raise ValueError(f"{ids_name} must have shape [batch, length], but has shape {tuple(input_ids.shape)}; add "
                          "the batch dimension with input_ids.unsqueeze(0).")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise TypeError(f"`input_ids` must hold integer token ids, but has dtype {input_ids.dtype}.")
+        raise TypeError(f"{ids_name} must hold integer token ids, but has dtype {input_ids.dtype}.")
     if input_ids.shape[0] == 0:
-        raise ValueError(f"`input_ids` must hold at least one row, but has shape {tuple(input_ids.shape)}.")
+        raise ValueError(f"{ids_name} must hold at least one row, but has shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] == 0:
-        raise ValueError(f"`input_ids` must hold at least one token per row, but has shape {tuple(input_ids.shape)}: "
+        raise ValueError(f"{ids_name} must hold at least one token per row, but has shape {tuple(input_ids.shape)}: "
                          "speculative decoding continues a prompt (start it with the BOS token if you have none).")
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"`attention_mask` must be a torch.Tensor, but is {type(attention_mask).__name__}.")
+        raise TypeError(f"{mask_name} must be a torch.Tensor, but is {type(attention_mask).__name__}.")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}, but has "
+        raise ValueError(f"{mask_name} must have the shape of {ids_name} {tuple(input_ids.shape)}, but has "
                          f"{tuple(attention_mask.shape)}.")
 
 

@@ -148,6 +148,7 @@ def test_public_api():
         Drafter,
         DraftHead,
         SpeculativeDecoderOnlyOutput,
+        SpeculativeEncoderDecoderOutput,
         SpeculativeStats,
         TreeDrafter,
         speculative,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.caches import ColumnRules
+from hf_spec.conditioning import Conditioning
 from hf_spec.forward import has_invalid_values
 from hf_spec.rejection import sample_from_weights
 from hf_spec.rows import RaggedBatch
@@ -113,6 +114,12 @@ class Drafter(abc.ABC):
     def reset(self) -> None:
         """Forget the previous call's state; the loop calls it before a call's first round (a drafter passed as
         ``assistant_model`` serves many calls)."""
+
+    def condition(self, conditioning: Conditioning, prompt_ids: torch.Tensor,
+                  prompt_mask: torch.Tensor | None) -> None:
+        """After `reset`, before the first round: what the call's models read beside the tokens (an encoder's
+        outputs, the prompt's images: `hf_spec.conditioning`), with the prompts ``[batch, prompt]``. A drafter
+        without a model ignores it (the default)."""
 
     def match_cache(self, static_length: int | None) -> None:
         """Before `reset`: the target's cache is static with ``static_length`` positions (``None``: dynamic). A

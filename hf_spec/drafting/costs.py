@@ -18,11 +18,12 @@ import weakref
 import numpy as np
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
 
-from hf_spec.caches import cache_length, crop_to, new_cache
+from hf_spec.caches import cache_length, crop_to, new_cache, reads_encoder_outputs
 from hf_spec.drafting.cost_store import load_table, save_table, store_key
 from hf_spec.drafting.speedup import predicted_speedup
-from hf_spec.forward import position_table
+from hf_spec.forward import input_names, position_table
 
 #: Tokens of random context before the timed passes (costs grow slowly with the cache length).
 PROBE_PREFIX_LENGTH = 32
@@ -60,7 +61,8 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
     """Median seconds of a forward pass over each of ``widths`` tokens on top of a cached ``prefix_ids`` ``[1, S]``,
     the widths interleaved so that slow phases of a shared machine hit them alike."""
     cache = new_cache(model, max_pass=max(widths))
-    model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    names, extra = input_names(type(model)), probe_conditioning(model, prefix_ids)
+    model(**{names.ids: prefix_ids}, **extra, cache=cache, use_cache=True, logits_to_keep=1)
     prefix = cache_length(cache)
     seconds = {width: [] for width in widths}
     for _ in range(repeats):
@@ -68,11 +70,22 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
             block = prefix_ids[:, -1:].expand(-1, width)  # [1, width]
             synchronize(model.device)
             started = time.perf_counter()
-            model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=width)
+            model(**{names.ids: block}, **extra, cache=cache, use_cache=True, logits_to_keep=width)
             synchronize(model.device)
             seconds[width].append(time.perf_counter() - started)
             crop_to(cache, prefix)
     return {width: float(np.median(values)) for width, values in seconds.items()}
+
+
+def probe_conditioning(model: PreTrainedModel, prefix_ids: torch.Tensor) -> dict:
+    """What a probe pass of a decoder that reads an encoder's outputs is handed: zeros for as many encoder positions
+    as the prefix has tokens (the cost of its cross-attention over a source of that length); nothing for others."""
+    if not reads_encoder_outputs(model):
+        return {}
+    config = model.config.get_text_config(decoder=True)
+    width = getattr(config, "d_model", None) or config.hidden_size
+    states = torch.zeros((1, prefix_ids.shape[1], width), dtype=model.dtype, device=model.device)
+    return {"encoder_outputs": BaseModelOutput(last_hidden_state=states)}
 
 
 def measure_costs(target: PreTrainedModel, drafter, prefix_ids: torch.Tensor, block_sizes: list[int],

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import cache_length, crop_to, new_cache, select_rows
+from hf_spec.caches import cache_length, crop_to, new_cache, reads_encoder_outputs, select_rows
 from hf_spec.compat import is_rewired_by_universal_assisted_generation
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
@@ -126,6 +126,12 @@ class CrossTokenizerDrafter(Drafter):
         self.ids = self.mask = None  # [active, columns] the draft's own grid, once the first round made it
         self.fed: list[list[int]] = []  # per active row: the draft ids its cache holds, in order
         self.columns: list[list[int]] = []  # per active row: the grid column of each of them
+
+    def condition(self, conditioning, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None) -> None:
+        if reads_encoder_outputs(self.model) or conditioning.prompt_inputs_for(self.model):
+            raise ValueError(f"`assistant_model` ({type(self.model).__name__}) reads an encoder's outputs or the "
+                             "prompt's images, which a draft of another tokenizer cannot be handed (its tokens are "
+                             "other tokens); use a draft that shares the target's tokenizer.")
 
     def propose(self, batch: RaggedBatch, num_draft_tokens: int, context: DraftContext) -> Proposal:
         wanted = self._draft_tokens(batch)

@@ -66,6 +66,9 @@ class LookupThenModel(Drafter):
     def reset(self) -> None:
         self.model.reset()
 
+    def condition(self, conditioning, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None) -> None:
+        self.model.condition(conditioning, prompt_ids, prompt_mask)
+
     def roll_back(self, num_cached: int, staying_rows: torch.Tensor | None) -> None:
         self.model.roll_back(num_cached, staying_rows)  # its cache may lag behind: it catches up when next used
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import ColumnRules, cache_length, crop_to, move_columns, new_cache, select_rows
+from hf_spec.caches import ColumnRules, attach_inputs, cache_length, crop_to, move_columns, new_cache, select_rows
+from hf_spec.conditioning import Conditioning
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.costs import forward_seconds
-from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table
+from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table, prefill
 from hf_spec.rows import RaggedBatch
 from hf_spec.settings import warn_once
 from hf_spec.validation import refuse_unsupported_family
@@ -49,6 +50,11 @@ class ModelDrafter(Drafter):
         return Proposal(draft_ids, stack_laws(probs, draft_ids, context), is_invalid,
                         num_model_steps=draft_ids.shape[1], num_catch_up_tokens=num_catch_up)
 
+    def condition(self, conditioning: Conditioning, prompt_ids: torch.Tensor,
+                  prompt_mask: torch.Tensor | None) -> None:
+        attach_inputs(self.cache, conditioning.inputs_for(self.model))
+        prefill(self.model, self.cache, prompt_ids, prompt_mask, conditioning.prompt_inputs_for(self.model))
+
     def match_cache(self, static_length: int | None) -> None:
         self.static_length = static_length
 
@@ -86,9 +92,9 @@ def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_lengt
     after a row of length L feeds the draft L + k - 1 of them, and k <= max_length - L - 1. So positions up to
     ``max_length - 3`` must be in a learned position table (models with rotary or ALiBi positions have no such
     limit)."""
-    if draft.config.is_encoder_decoder:
-        raise ValueError(f"hf_spec supports decoder-only models; `assistant_model` ({type(draft).__name__}) is an "
-                         "encoder-decoder model.")
+    if draft.config.is_encoder_decoder and not target.config.is_encoder_decoder:
+        raise ValueError(f"`assistant_model` ({type(draft).__name__}) is an encoder-decoder model, but the model "
+                         f"({type(target).__name__}) is decoder-only: the draft's encoder would have nothing to read.")
     refuse_unsupported_family(draft, "assistant_model")
     if draft.device != target.device:
         raise ValueError(

@@ -18,6 +18,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.compat import decoding_chain
 from hf_spec.extras import require
+from hf_spec.forward import input_names
 
 #: Significance level: a correct sampler fails a test with probability 1e-4; a broken one must fail every time.
 ALPHA = 1e-4
@@ -66,18 +67,26 @@ def fit_sequences(samples: np.ndarray, exact: np.ndarray) -> FitResult:
 
 @torch.no_grad()
 def exact_law(model: PreTrainedModel, settings: dict, prompt: torch.Tensor, num_tokens: int,
-              user_processors: list | None = None) -> np.ndarray:
+              user_processors: list | None = None, model_inputs: dict | None = None) -> np.ndarray:
     """``[V] * num_tokens``: P(first ``num_tokens`` generated tokens) under target-only sampling of ``prompt``
-    ``[1, S]`` with ``settings`` (plus ``do_sample=True``), through transformers' own processor chain."""
-    vocab_size = model.config.get_text_config().vocab_size
+    ``[1, S]`` with ``settings`` (plus ``do_sample=True``), through transformers' own processor chain.
+
+    ``model_inputs``: what else every pass reads, for one row (an encoder's inputs, an image); ``prompt`` is then
+    the decoder's prompt (an encoder-decoder's decoder start). Prefixes of probability 0 are not run (a suppressed
+    image placeholder in a prefix would not match the image)."""
+    vocab_size = model.config.get_text_config(decoder=True).vocab_size
     chain = decoding_chain(model, {"do_sample": True, **settings}, prompt,
                            LogitsProcessorList(user_processors or []))
+    ids_name = input_names(type(model)).ids
     path_probs = np.ones(1)  # P(prefix) for every prefix of the current depth, in itertools.product order
     for depth in range(num_tokens):
         combinations = list(itertools.product(range(vocab_size), repeat=depth))
-        prefixes = torch.tensor(combinations, dtype=torch.long, device=prompt.device).view(len(combinations), depth)
-        ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], dim=1)
-        logits = model(ids).logits[:, -1].float()
-        probs = chain(ids, logits).softmax(-1).double().cpu().numpy()  # [prefixes, V]: p(next | prefix)
+        live = np.flatnonzero(path_probs > 0)
+        prefixes = torch.tensor([combinations[i] for i in live], dtype=torch.long, device=prompt.device)
+        ids = torch.cat([prompt.expand(len(live), -1), prefixes.view(len(live), depth)], dim=1)
+        extra = {name: value.expand(len(live), *value.shape[1:]) for name, value in (model_inputs or {}).items()}
+        logits = model(**{ids_name: ids}, **extra).logits[:, -1].float()
+        probs = np.zeros((len(combinations), vocab_size))  # [prefixes, V]: p(next | prefix)
+        probs[live] = chain(ids, logits).softmax(-1).double().cpu().numpy()
         path_probs = (path_probs.reshape(-1, 1) * probs).reshape(-1)
     return path_probs.reshape([vocab_size] * num_tokens)
