@@ -174,6 +174,27 @@ def test_whisper_output_dict_and_a_tree_of_drafts():
                                        do_sample=False), expected[:1])
 
 
+@pytest.mark.parametrize("setting", ["timestamps", "language and task", "prompt ids", "long-form audio"])
+def test_whisper_settings_equal_target_only(setting):
+    """Whisper's own generate() around the loop: timestamp processing, language and task tokens, a text prompt, and
+    long-form audio (chunked by Whisper's generate(), one inner call per 30-second window: here 64 frames)."""
+    case = conditioned.build_case("whisper")
+    conditioned.with_whisper_tasks(case.target)
+    features = case.inputs["input_features"]
+    inputs = {
+        "timestamps": {"input_features": features, "return_timestamps": True},
+        "language and task": {"input_features": features, "language": "fr", "task": "translate"},
+        "prompt ids": {"input_features": features, "prompt_ids": torch.tensor([7, 8, 9])},
+        "long-form audio": {"input_features": torch.randn((2, 16, 200), generator=torch.Generator().manual_seed(5)),
+                            "attention_mask": torch.ones((2, 200), dtype=torch.long), "return_timestamps": True},
+    }[setting]
+    expected = case.target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    target = speculative(copy.deepcopy(case.target))
+    for draft in case.drafts.values():
+        assert torch.equal(target.generate(**inputs, assistant_model=draft, max_new_tokens=12, do_sample=False),
+                           expected)
+
+
 def test_conditioning_follows_finished_rows():
     """A row that stops early leaves the batch: the encoder's outputs and mask of the others stay with them."""
     case = conditioned.build_case("t5")

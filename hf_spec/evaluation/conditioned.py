@@ -99,6 +99,15 @@ def whisper(vocab_size: int = VOCAB_SIZE, seed: int = 0, scale: float = 1.0) -> 
     return _seeded(seed, lambda: WhisperForConditionalGeneration(whisper_config(vocab_size, scale)))
 
 
+def with_whisper_tasks(model: WhisperForConditionalGeneration) -> WhisperForConditionalGeneration:
+    """``model`` with a generation config that knows timestamps, two languages and both tasks (ids 190-200), as a
+    multilingual checkpoint's does (generate() then detects the language where none is given)."""
+    config = model.generation_config
+    config.no_timestamps_token_id, config.max_initial_timestamp_index, config.is_multilingual = 200, 50, True
+    config.lang_to_id, config.task_to_id = {"<|en|>": 190, "<|fr|>": 191}, {"transcribe": 195, "translate": 196}
+    return model
+
+
 def whisper_assistant(target: WhisperForConditionalGeneration, noise: float) -> WhisperForCausalLM:
     """distil-whisper's kind of assistant: a decoder alone (``WhisperForCausalLM``), here the target's decoder plus
     noise, reading the target's encoder outputs."""
