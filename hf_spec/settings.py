@@ -79,7 +79,7 @@ SETTINGS: dict[str, Treatment] = {
        for name in ("output_scores", "output_logits", "return_dict_in_generate")},
     # special tokens
     **{name: Treatment(HONOURED, "as in target-only decoding") for name in ("pad_token_id", "bos_token_id")},
-    "decoder_start_token_id": Treatment(METADATA, "encoder-decoder models only, which are refused"),
+    "decoder_start_token_id": Treatment(METADATA, "starts an encoder-decoder's decoder, as in target-only decoding"),
     # caches and compilation
     "use_cache": Treatment(REFUSED, "speculation needs KV caches", _not(
         True, "`use_cache=False` cannot be combined with `assistant_model`: speculation needs KV caches.")),

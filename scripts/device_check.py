@@ -21,7 +21,12 @@ What it measures:
 5. Static caches and compiled passes (the first pair, the oracle at acceptance 0.8, k = 3): target-only decoding and
    hf_spec on a dynamic cache, on a static cache, and compiled on a static cache (``mode="reduce-overhead"``: CUDA
    graphs), each timed on its second call; the first call's seconds (it compiles), graphs compiled, identical
-   outputs. The JSON is written after every section, so a run cut short keeps what it measured.
+   outputs.
+6. Whisper large-v3 with a distil-large-v3-shaped assistant (`device_whisper`): the encoder pass, the decoder and
+   assistant steps, greedy equality in a batch of two with one encoder pass, tokens/s of target-only, k = 5 and auto
+   (real weights where ``HF_SPEC_WHISPER_TARGET`` and ``HF_SPEC_WHISPER_ASSISTANT`` name local folders).
+
+The JSON is written after every section, so a run cut short keeps what it measured.
 
 Random weights give meaningless text but real costs; the output layers are scaled so that greedy choices are clear
 (the oracle's answer then survives bf16 rounding). Nothing here needs the Hub: configs are written out below.
@@ -53,6 +58,8 @@ from hf_spec.drafting.oracle import OracleDrafter
 from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 from hf_spec.evaluation.exactness import exact_law, fit_sequences
 from hf_spec.loading.tiny import build_tiny_model, noisy_copy
+
+from device_whisper import whisper_check, whisper_summary  # scripts/, beside this file
 
 #: Configs of the shapes measured (layers, hidden, MLP, heads, key-value heads, vocabulary).
 SHAPES = {
@@ -108,6 +115,9 @@ def main() -> None:
             report["compiled"] = compiled_runs(target, draft, device, target_name, 16 if quick else 64)
         models.pop(target_name)
         save()
+    models.clear()
+    report["whisper"] = whisper_check(device, quick)
+    save()
     (output / "device_check.md").write_text(summary(report))
     print(summary(report))
 
@@ -352,6 +362,7 @@ def summary(report: dict) -> str:
     lines += [f"| {r['target']} | {r['case']} | {r['method']} | {r['tokens_per_second']:.1f} | "
               f"{r['first_call_seconds']:.1f} | {number(r['graphs'])} | {r['identical_to_target_only']} |"
               for r in report.get("compiled", [])]
+    lines += whisper_summary(report.get("whisper"))
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from helpers import break_rule, resample_from_p
 
+import hf_spec.mixin
 from hf_spec import speculative
+from hf_spec.decoding import speculative_decode
 from hf_spec.conditioning import split_model_kwargs
 from hf_spec.evaluation import conditioned
 from hf_spec.evaluation.exactness import exact_law, fit_sequences
@@ -193,6 +195,41 @@ def test_whisper_settings_equal_target_only(setting):
     for draft in case.drafts.values():
         assert torch.equal(target.generate(**inputs, assistant_model=draft, max_new_tokens=12, do_sample=False),
                            expected)
+
+
+def test_the_speech_recognition_pipeline_passes_the_assistant_on(monkeypatch):
+    """``pipeline("automatic-speech-recognition", generate_kwargs={"assistant_model": ...})`` reaches the loop (with
+    ``num_beams=1``: the pipeline's default for Whisper is beam search, which no assisted generation runs)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import WhisperFeatureExtractor, WhisperTokenizerFast, pipeline
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(conditioned.VOCAB_SIZE)}, unk_token="t3"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = WhisperTokenizerFast(tokenizer_object=words, unk_token="t3", bos_token="t1", eos_token="t2",
+                                     pad_token="t0")
+    case = conditioned.build_case("whisper")
+    conditioned.with_whisper_tasks(case.target).generation_config.is_multilingual = False
+    recognizer = pipeline("automatic-speech-recognition", model=case.target, tokenizer=tokenizer, device="cpu",
+                          feature_extractor=WhisperFeatureExtractor(feature_size=16, chunk_length=1))
+    audio = np.random.default_rng(0).standard_normal(8000).astype(np.float32) * 0.1  # half a second at 16 kHz
+    sequences, runs = [], []
+    plain_generate = type(case.target).generate
+
+    def recording(model, *args, **kwargs):  # what the pipeline's generate() call returns
+        sequences.append(plain_generate(model, *args, **kwargs))
+        return sequences[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(case.target), "generate", recording)
+        recognizer(audio, generate_kwargs={"max_new_tokens": 10, "num_beams": 1})
+    plain_generate = type(speculative(case.target)).generate  # hf_spec's, on the speculative subclass
+    monkeypatch.setattr(type(case.target), "generate", recording)
+    monkeypatch.setattr(hf_spec.mixin, "speculative_decode",
+                        lambda *args, **kwargs: runs.append(1) or speculative_decode(*args, **kwargs))
+    draft = case.drafts["decoder-only assistant"]
+    recognizer(audio, generate_kwargs={"max_new_tokens": 10, "num_beams": 1, "assistant_model": draft})
+    assert len(runs) == 2  # hf_spec's loop ran, once per window (100 frames: two of the tiny model's 64)
+    assert torch.equal(sequences[0], sequences[1]) and sequences[0].shape[1] >= 10
 
 
 def test_conditioning_follows_finished_rows():

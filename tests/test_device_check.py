@@ -32,5 +32,8 @@ def test_the_quick_device_check_runs_and_every_check_passes(tmp_path):
                              for method in ("target_only", "hf_spec")}
     assert all(run["identical_to_target_only"] for run in compiled.values()), compiled
     assert compiled[("static, compiled", "hf_spec")]["graphs"] > 0
+    whisper = report["whisper"]
+    assert whisper["identical"] and whisper["encoder_passes"] == 1 and whisper["cost_ratio"] > 0, whisper
+    assert "## Whisper large-v3" in (tmp_path / "device_check.md").read_text()
     assert "## Exactness" in (tmp_path / "device_check.md").read_text()
     assert "## Static caches and compiled passes" in (tmp_path / "device_check.md").read_text()
