@@ -98,8 +98,8 @@ def decoder_part(cache: Cache) -> Cache:
 
 
 def attach_inputs(cache: Cache, inputs: dict[str, Any]) -> None:
-    """What a model reads on every pass beside its tokens, held with its cache (`attached_inputs`): tensors whose
-    first dimension is the batch's rows, or model outputs holding such tensors; they follow `select_rows`."""
+    """What a model reads on every pass beside its tokens, held with its cache (`attached_inputs`): tensors of one row
+    per batch row, or model outputs of such tensors (`select_rows` selects them)."""
     _ATTACHED[cache] = dict(inputs)
 
 

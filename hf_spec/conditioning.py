@@ -28,6 +28,11 @@ from hf_spec.caches import reads_encoder_outputs
 LOOP_KWARGS = frozenset({"cache", "use_cache", "logits_to_keep"})
 #: What an encoder-decoder target's decoder reads on every pass (``attention_mask``: the encoder's).
 ENCODER_KWARGS = frozenset({"encoder_outputs", "attention_mask"})
+#: An attached per-row input that is no forward argument: how far a row's multi-axis positions run ahead of its text
+#: positions (`with_position_axes`), ``[rows, axes]``.
+POSITION_OFFSETS = "position_offsets"
+#: Prompt-only inputs with one entry per prompt token (last axis): the prompt's pass reads all but the last.
+PER_TOKEN_KWARGS = frozenset({"position_ids", "mm_token_type_ids", "token_type_ids"})
 
 
 @dataclasses.dataclass
@@ -43,6 +48,14 @@ class Conditioning:
 
     def inputs_for(self, draft: PreTrainedModel) -> dict[str, Any]:
         """What a draft model reads on every pass, for this call's rows (see the module docstring)."""
+        if POSITION_OFFSETS in self.every_pass:  # a vision-language target with multi-axis positions
+            if not is_multimodal(draft):
+                return {}
+            if draft.config.model_type != self.target.config.model_type:
+                raise ValueError(f"`assistant_model` ({type(draft).__name__}) is a vision-language model of another "
+                                 f"family than the model ({type(self.target).__name__}), whose multi-axis positions "
+                                 "it would not read; use a draft of the same family, or a text-only draft.")
+            return {POSITION_OFFSETS: self.every_pass[POSITION_OFFSETS]}
         if "encoder_outputs" not in self.every_pass:
             return {}
         if draft.config.is_encoder_decoder:
@@ -97,17 +110,34 @@ def split_model_kwargs(target: PreTrainedModel, model_kwargs: dict[str, Any], in
         known |= set(prompt_only)
         conditioning = Conditioning(given.get("attention_mask"), {}, prompt_only, {}, target, media or {})
     position_ids = given.get("position_ids")
-    if position_ids is not None and position_ids.dim() != 2:
+    if position_ids is not None and position_ids.dim() == 3 and is_multimodal(target):  # [axes, batch, prompt]
+        # Qwen2-VL's rotary positions: the text axis, then 3 axes that run ahead of it after an image by a per-row
+        # offset; a token after the prompt is at its text position on the first and that plus the offset on the rest
+        conditioning.prompt_only["position_ids"] = position_ids
+        conditioning.every_pass[POSITION_OFFSETS] = (position_ids[1:, :, -1] - position_ids[:1, :, -1]).T
+    elif position_ids is not None and position_ids.dim() != 2:
         raise ValueError(f"{type(target).__name__} places tokens with {position_ids.shape[0]}-axis positions "
-                         f"(`position_ids` of shape {tuple(position_ids.shape)}: multimodal rotary positions, as "
-                         "Qwen2-VL's), which hf_spec's loop does not compute yet; use transformers' plain generate() "
-                         "with this model.")
+                         f"(`position_ids` of shape {tuple(position_ids.shape)}), which hf_spec's loop does not "
+                         "compute; use transformers' plain generate() with this model.")
     unsupported = sorted(set(given) - known)
     if unsupported:
         raise ValueError(f"Model inputs {unsupported} are not supported with `assistant_model`; hf_spec feeds "
                          "`input_ids`, `attention_mask` and positions only (and, to encoder-decoder and "
                          "vision-language models, the encoder's outputs and the prompt's images).")
     return conditioning
+
+
+def prompt_pass_inputs(prompt_inputs: dict[str, Any]) -> dict[str, Any]:
+    """``prompt_inputs`` for a pass over the prompt but its last token: per-token inputs cut to match."""
+    return {key: value[..., :-1] if key in PER_TOKEN_KWARGS else value for key, value in prompt_inputs.items()}
+
+
+def with_position_axes(position_ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Text positions ``[batch, n]`` as multi-axis positions ``[1 + axes, batch, n]`` (the text axis, then each axis
+    ahead of it by the row's ``offsets`` ``[batch, axes]``); unchanged without offsets."""
+    if offsets is None:
+        return position_ids
+    return torch.cat([position_ids[None], position_ids[None] + offsets.T[:, :, None].to(position_ids.device)])
 
 
 def is_multimodal(model: PreTrainedModel) -> bool:

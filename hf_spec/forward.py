@@ -12,8 +12,17 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from hf_spec.caches import ColumnRules, attached_inputs, attends, cache_length, column_rules, crop_to, static_length
+from hf_spec.caches import (
+    ColumnRules,
+    attached_inputs,
+    attends,
+    cache_length,
+    column_rules,
+    crop_to,
+    static_length,
+)
 from hf_spec.compat import attention_implementation
+from hf_spec.conditioning import POSITION_OFFSETS, prompt_pass_inputs, with_position_axes
 from hf_spec.compiled import active_forward, pad_inputs, padded_width, run_post_hooks, run_pre_hooks, strip_padding
 from hf_spec.profiling import timed_forward
 
@@ -79,10 +88,11 @@ def _missing_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, a
         position_ids = torch.arange(num_cached, sequence_ids.shape[1], device=sequence_ids.device).unsqueeze(0)
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min_(0)[:, num_cached:]
-    names = input_names(type(model))
-    inputs = {**attached_inputs(cache), names.ids: sequence_ids[:, num_cached:], "cache": cache}
+    names, attached = input_names(type(model)), dict(attached_inputs(cache))
+    offsets = attached.pop(POSITION_OFFSETS, None)
+    inputs = {**attached, names.ids: sequence_ids[:, num_cached:], "cache": cache}
     if names.positions is not None:  # a model without them places tokens by cache position (no holes then)
-        inputs[names.positions] = position_ids
+        inputs[names.positions] = with_position_axes(position_ids, offsets)
     length = static_length(cache)
     if length is not None:  # a static cache attends over all its positions: the mask has as many, 0 past the fed
         mask = torch.ones_like(sequence_ids) if attention_mask is None else attention_mask
@@ -120,7 +130,7 @@ def prefill(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention
                          "text (the chat template's generation prompt does).")
     mask = None if attention_mask is None else attention_mask[:, :-1]
     inputs = _missing_inputs(model, cache, sequence_ids[:, :-1], mask, num_logits=1)
-    model(**inputs, **prompt_inputs, use_cache=True)
+    model(**{**inputs, **prompt_pass_inputs(prompt_inputs)}, use_cache=True)
 
 
 def forward_tree(
@@ -189,8 +199,11 @@ def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, atte
     if names.positions is None:
         raise ValueError(f"Tree drafts place each node at its depth's position, which {type(model).__name__}'s "
                          "forward cannot take (it places tokens by cache position); leave `num_tree_nodes` unset.")
-    inputs = {**attached_inputs(cache), names.ids: torch.cat([missing_ids, node_ids])[None],
-              names.positions: position_ids[None], names.mask: tree_attention_mask(model, visible), "cache": cache}
+    attached = dict(attached_inputs(cache))
+    offsets = attached.pop(POSITION_OFFSETS, None)
+    inputs = {**attached, names.ids: torch.cat([missing_ids, node_ids])[None],
+              names.positions: with_position_axes(position_ids[None], offsets),
+              names.mask: tree_attention_mask(model, visible), "cache": cache}
     if _supports_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = num_logits
     return inputs

@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import break_rule, resample_from_p
 
+import hf_spec.forward
 import hf_spec.mixin
 from hf_spec import speculative
 from hf_spec.decoding import speculative_decode
-from hf_spec.conditioning import split_model_kwargs
+from hf_spec.conditioning import split_model_kwargs, with_position_axes
 from hf_spec.evaluation import conditioned
 from hf_spec.evaluation.exactness import exact_law, fit_sequences
 from hf_spec.evaluation.zoo import near_copy
@@ -37,7 +38,7 @@ def test_greedy_equals_target_only_in_a_ragged_batch(name):
         assert result.encoder_passes == {"decoder-only assistant": 1, "same encoder": 1}, result
     if name in ("t5", "bart"):  # the near-copy's own encoder runs once too
         assert result.encoder_passes == {"near-copy": 2}, result
-    if name == "llava":  # the images go into each model's prompt pass only; the text-only draft reads none
+    if name in ("llava", "qwen2_vl"):  # the images go into each model's prompt pass only; a text-only draft reads none
         assert result.encoder_passes == {"near-copy": 2, "text backbone": 1}, result
 
 
@@ -139,13 +140,30 @@ def test_a_prompt_ending_in_an_image_placeholder_is_refused():
         speculative(case.target).generate(**inputs, assistant_model=case.drafts["near-copy"], max_new_tokens=4)
 
 
-def test_multi_axis_positions_are_refused_by_name():
-    """Qwen2-VL's generate() hands the loop 3-D rotary positions, which it does not compute yet: refused, not
-    silently replaced by text positions."""
-    case = conditioned.build_case("llava")
-    kwargs = {"position_ids": torch.zeros((4, 2, 30), dtype=torch.long), "cache": None}
-    with pytest.raises(ValueError, match="4-axis positions.*Qwen2-VL"):
-        split_model_kwargs(case.target, kwargs, None)
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "negative control"])
+def test_multi_axis_positions_follow_each_row(broken, monkeypatch):
+    """Qwen2-VL's rotary positions: after an image, three axes run behind the text position by the row's offset (-2
+    for row 0's image of 4 placeholders on a 2 x 2 grid). The target's logits at every token equal target-only
+    decoding's; with the offsets dropped (the negative control) they do not (greedy choices of the tiny model happen
+    to survive that, so the logits are compared)."""
+    if broken:
+        monkeypatch.setattr(hf_spec.forward, "with_position_axes",
+                            lambda positions, offsets: with_position_axes(positions, None if offsets is None
+                                                                          else torch.zeros_like(offsets)))
+    case = conditioned.build_case("qwen2_vl")
+    settings = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    expected = case.target.generate(**case.inputs, **settings)
+    actual = speculative(case.target).generate(**case.inputs, assistant_model=case.drafts["near-copy"], **settings)
+    difference = max(float((a - b).abs().max()) for a, b in zip(expected.logits, actual.logits, strict=True))
+    assert (difference < 1e-5) != broken, difference
+
+
+def test_a_vision_language_draft_of_another_family_is_refused():
+    case = conditioned.build_case("qwen2_vl")
+    with pytest.raises(ValueError, match="vision-language model of another family"):
+        speculative(case.target).generate(**case.inputs, assistant_model=conditioned.llava(), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"3-axis positions"):
+        split_model_kwargs(conditioned.t5(), {"position_ids": torch.zeros((3, 2, 5), dtype=torch.long)}, None)
 
 
 def test_what_the_loop_cannot_pass_on_is_refused():

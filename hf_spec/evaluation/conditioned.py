@@ -28,6 +28,10 @@ from transformers import (
     LlavaConfig,
     LlavaForConditionalGeneration,
     PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
     WhisperConfig,
@@ -130,9 +134,36 @@ def llava(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> LlavaForConditionalGen
     return model
 
 
-def text_backbone(model: LlavaForConditionalGeneration) -> LlamaForCausalLM:
-    """A vision-language model's language model alone, as a text-only draft sharing its tokenizer."""
-    backbone = _seeded(0, lambda: LlamaForCausalLM(model.config.text_config))
+def qwen2_vl(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Qwen2VLForConditionalGeneration:
+    """A tiny Qwen2-VL: 4 x 4 patches of 4 pixels merged 2 x 2, so an image of grid (1, 4, 4) is 4 placeholder ids;
+    its rotary positions have three axes (time, height, width) beside the text's."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "bos_token_id": 1,
+            "eos_token_id": 2, "pad_token_id": 0, "rope_parameters": rope}
+    vision = {"depth": 1, "embed_dim": 64, "hidden_size": 64, "num_heads": 4, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    special = {name: min(vocab_size - 1, IMAGE_TOKEN_ID + offset) for offset, name in enumerate(
+        ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))}
+    model = _seeded(seed, lambda: Qwen2VLForConditionalGeneration(
+        Qwen2VLConfig(text_config=text, vision_config=vision, **special)))
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def text_backbone(model: PreTrainedModel) -> PreTrainedModel:
+    """A vision-language model's language model alone, as a text-only draft sharing its tokenizer (Qwen2-VL's as a
+    Qwen2: on text its three position axes are equal, which is Qwen2's one-axis rotary embedding)."""
+    text = model.config.text_config
+    if model.config.model_type == "qwen2_vl":
+        sizes = {name: getattr(text, name) for name in ("vocab_size", "hidden_size", "intermediate_size",
+                                                        "num_hidden_layers", "num_attention_heads",
+                                                        "num_key_value_heads", "max_position_embeddings")}
+        theta = text.rope_parameters["rope_theta"]
+        backbone = _seeded(0, lambda: Qwen2ForCausalLM(Qwen2Config(**sizes, rope_parameters={
+            "rope_type": "default", "rope_theta": theta}, tie_word_embeddings=False)))
+    else:
+        backbone = _seeded(0, lambda: LlamaForCausalLM(text))
     backbone.model.load_state_dict(model.model.language_model.state_dict())
     backbone.lm_head.load_state_dict(model.lm_head.state_dict())
     return backbone
@@ -160,10 +191,21 @@ def build_case(name: str) -> Case:
         image = torch.randn((1, 3, 32, 32), generator=torch.Generator().manual_seed(2))
         return Case(target, {"near-copy": draft, "text backbone": text_backbone(draft)},
                     {"input_ids": ids, "attention_mask": mask, "pixel_values": image})
+    if name == "qwen2_vl":
+        target = qwen2_vl()
+        draft = near_copy(target, noise=0.02)
+        ids, mask = _ragged_ids(1, 24)
+        start = target.config.vision_start_token_id
+        ids[0, 4: 10] = torch.tensor([start, *[target.config.image_token_id] * 4, start + 1])  # row 0: an image
+        patches = torch.randn((16, 3 * 2 * 4 * 4), generator=torch.Generator().manual_seed(2))  # grid 1 x 4 x 4
+        inputs = {"input_ids": ids, "attention_mask": mask, "pixel_values": patches,
+                  "image_grid_thw": torch.tensor([[1, 4, 4]]),
+                  "mm_token_type_ids": (ids == target.config.image_token_id).long()}
+        return Case(target, {"near-copy": draft, "text backbone": text_backbone(draft)}, inputs)
     raise ValueError(f"`name` must be one of {CASES}, but is {name!r}.")
 
 
-CASES = ("t5", "bart", "whisper", "llava")
+CASES = ("t5", "bart", "whisper", "llava", "qwen2_vl")
 
 
 @dataclasses.dataclass
@@ -199,8 +241,9 @@ def check_transformers_assisted(name: str) -> str:
     case = build_case(name)
     draft = next(iter(case.drafts.values()))
     inputs = {key: value[:1] for key, value in case.inputs.items()}
-    if name == "llava":
-        inputs["pixel_values"] = case.inputs["pixel_values"]
+    for key in ("pixel_values", "image_grid_thw"):  # images are not rows
+        if key in case.inputs:
+            inputs[key] = case.inputs[key]
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
     expected = case.target.generate(**inputs, **settings)
     try:
@@ -214,7 +257,8 @@ def _encoder_of(model: PreTrainedModel) -> torch.nn.Module | None:
     """What reads the non-text input: an encoder-decoder's encoder, a vision-language model's vision tower."""
     if model.config.is_encoder_decoder:
         return model.get_encoder()
-    return getattr(getattr(model, "model", None), "vision_tower", None)
+    inner = getattr(model, "model", None)
+    return getattr(inner, "vision_tower", None) or getattr(inner, "visual", None)
 
 
 def _decoder_of(model: PreTrainedModel) -> torch.nn.Module:
