@@ -233,9 +233,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
                              "after every round; hf_spec cannot speculate with this model.")
         max_pass = rounds.max_pass(generation_config.max_length - input_ids.shape[1])
         prepare_for_rollback(target_cache, "cache", max_pass + 1, model_type(self))
-        if self.config.is_encoder_decoder and static_length(target_cache) is not None:
-            raise ValueError(f"A static cache (`cache_implementation='static'`) with an encoder-decoder model "
-                             f"({type(self).__name__}) is not supported by hf_spec yet; use the default dynamic cache.")
+        if self.config.is_encoder_decoder and compile_config_of(generation_config, target_cache) is not None:
+            raise ValueError(f"`compile_config` with an encoder-decoder model ({type(self).__name__}) is not "
+                             "supported by hf_spec: its static cache runs eagerly; leave `compile_config` unset.")
         target_cache = sized_static_cache(self, target_cache, input_ids, generation_config, max_pass)
         check_cache_rows(target_cache, batch_size, "cache")
         fit_prompt(target_cache, input_ids.shape[1])
