@@ -22,8 +22,8 @@ from hf_spec.caches import (
     static_length,
 )
 from hf_spec.compat import attention_implementation
-from hf_spec.conditioning import POSITION_OFFSETS, prompt_pass_inputs, with_position_axes
 from hf_spec.compiled import active_forward, pad_inputs, padded_width, run_post_hooks, run_pre_hooks, strip_padding
+from hf_spec.conditioning import POSITION_OFFSETS, prompt_pass_inputs, with_position_axes
 from hf_spec.profiling import timed_forward
 
 

@@ -12,14 +12,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import CompileConfig
 from helpers import break_rule, resample_from_p
+from transformers import CompileConfig
 
 import hf_spec.forward
 import hf_spec.mixin
 from hf_spec import speculative
-from hf_spec.decoding import speculative_decode
 from hf_spec.conditioning import split_model_kwargs, with_position_axes
+from hf_spec.decoding import speculative_decode
 from hf_spec.evaluation import conditioned
 from hf_spec.evaluation.exactness import exact_law, fit_sequences
 from hf_spec.evaluation.zoo import near_copy
