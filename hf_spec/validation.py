@@ -10,6 +10,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.generation.configuration_utils import GenerationMode
 
 from hf_spec.compat import ignores_recurrent_recording, records_recurrent_states
+from hf_spec.forward import input_names
 from hf_spec.settings import check_settings
 
 #: Families whose forward pass breaks what a speculative loop relies on (found on tiny configs of every causal-LM
@@ -61,11 +62,22 @@ def refuse_unsupported(target: PreTrainedModel, generation_config: GenerationCon
             f"{generation_config.constraints}, dola_layers={generation_config.dola_layers})."
         )
     check_settings(generation_config, user_settings)
+    if user_settings.get("num_tree_nodes") is not None:
+        refuse_tree_without_positions(target, "model")
     if generation_config.assistant_early_exit is not None and generation_mode_kwargs.get("assistant_model") is not None:
         raise ValueError(f"`assistant_early_exit`={generation_config.assistant_early_exit} and `assistant_model` both "
                          "name the draft: early exit drafts with the model's own first layers (transformers' loop), "
                          "`assistant_model` with another model (hf_spec's). Pass one of them.")
     _validate_tokenizers(generation_mode_kwargs)
+
+
+def refuse_tree_without_positions(model: PreTrainedModel, argument: str) -> None:
+    """Tree drafts place each node at its depth's position: a model whose forward takes no positions (it places
+    tokens by cache position: T5, BART, distil-whisper's decoder) cannot verify or draft a tree."""
+    if input_names(type(model)).positions is None:
+        raise ValueError(f"`num_tree_nodes`: tree drafts place each node at its depth's position, which `{argument}` "
+                         f"({type(model).__name__}) cannot take (its forward places tokens by cache position); "
+                         "leave `num_tree_nodes` unset to draft chains.")
 
 
 def validate_sampling_settings(generation_config: GenerationConfig) -> None:

@@ -175,9 +175,14 @@ def test_what_the_loop_cannot_pass_on_is_refused():
     with pytest.raises(ValueError, match="`compile_config` with an encoder-decoder"):
         target.generate(**case.inputs, assistant_model=case.drafts["near-copy"], cache_implementation="static",
                         compile_config=CompileConfig(), max_new_tokens=4)
-    with pytest.raises(ValueError, match="Tree drafts place each node"):
-        target.generate(**{key: value[:1] for key, value in case.inputs.items()},
-                        assistant_model=case.drafts["near-copy"], num_tree_nodes=4, max_new_tokens=4)
+    single = {key: value[:1] for key, value in case.inputs.items()}
+    with pytest.raises(ValueError, match="`num_tree_nodes`.*`model` \\(T5ForConditionalGeneration\\)"):
+        target.generate(**single, assistant_model=case.drafts["near-copy"], num_tree_nodes=4, max_new_tokens=4)
+    whisper = conditioned.build_case("whisper")
+    single = {key: value[:1] for key, value in whisper.inputs.items()}
+    with pytest.raises(ValueError, match="`num_tree_nodes`.*`assistant_model` \\(WhisperForCausalLM\\)"):
+        speculative(whisper.target).generate(**single, assistant_model=whisper.drafts["decoder-only assistant"],
+                                             num_tree_nodes=4, max_new_tokens=4)
 
 
 def test_whisper_output_dict_and_a_tree_of_drafts():

@@ -11,6 +11,7 @@ from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.forward import forward_tree
 from hf_spec.rows import RaggedBatch
+from hf_spec.validation import refuse_tree_without_positions
 
 
 class ModelTreeDrafter(ModelDrafter, BranchingTreeDrafter):
@@ -45,6 +46,10 @@ class ModelTreeDrafter(ModelDrafter, BranchingTreeDrafter):
         )  # [len(level), draft vocab]
         self._fed += level
         return logits
+
+    def check(self, target: PreTrainedModel, max_length: int) -> None:
+        super().check(target, max_length)
+        refuse_tree_without_positions(self.model, "assistant_model")
 
     def keep_path(self, path: list[int]) -> None:
         if self._num_committed is None:  # no tree was drafted this round
