@@ -35,7 +35,8 @@ does with each kind of cache: sliding windows move each row's holes out of its w
 recurrent and linear-attention states are rolled back from transformers' per-token recording (transformers 5.25 or
 newer; older releases refuse these models by name), with every row of a batch keeping the same number of tokens a
 round; tree drafts need plain attention layers (a sliding window or a recurrent state is refused by name with
-`num_tree_nodes`).
+`num_tree_nodes`). Encoder-decoder targets (T5, BART, Whisper) and vision-language ones (LLaVA, Qwen2-VL) have their
+own matrix: [encoder-decoder and vision-language targets](conditioned.md) (`tests/test_conditioned.py`).
 
 Made by `python scripts/zoo_table.py` on {date}, transformers {version}, torch {torch}.
 
