@@ -17,6 +17,7 @@ nothing but the tokens.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -147,13 +148,22 @@ def is_multimodal(model: PreTrainedModel) -> bool:
 
 def holds_same_encoder(draft: PreTrainedModel, target: PreTrainedModel | None) -> bool:
     """Whether ``draft``'s encoder is ``target``'s: the same module, or the same weights (distil-whisper's
-    assistants keep their teacher's encoder)."""
+    assistants keep their teacher's encoder). The comparison is remembered until either encoder's weights change."""
     if target is None or not target.config.is_encoder_decoder:
         return False
     mine, theirs = draft.get_encoder(), target.get_encoder()
     if mine is theirs:
         return True
     mine_state, their_state = mine.state_dict(), theirs.state_dict()
-    return mine_state.keys() == their_state.keys() and all(
+    versions = (id(theirs), tuple(value._version for value in (*mine_state.values(), *their_state.values())))
+    known = _SAME_ENCODER.get(mine)
+    if known is not None and known[0] == versions:
+        return known[1]
+    same = mine_state.keys() == their_state.keys() and all(
         value.shape == their_state[name].shape and value.dtype == their_state[name].dtype
         and torch.equal(value, their_state[name].to(value.device)) for name, value in mine_state.items())
+    _SAME_ENCODER[mine] = (versions, same)
+    return same
+
+
+_SAME_ENCODER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft encoder -> (weights' versions, same)

@@ -62,7 +62,7 @@ def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
         mask = inputs.get("attention_mask")
         cached = cache_length(inputs["cache"]) if compiled is not None else 0
         if (compiled is not None and width is not None and (mask is None or mask.dim() == 2)  # not a tree's pass
-                and "input_ids" in inputs  # a decoder-only model's (a static encoder-decoder cache is refused)
+                and "input_ids" in inputs  # a decoder-only model's (an encoder-decoder's compile_config is refused)
                 and cached + width <= (static_length(inputs["cache"]) or 0)):  # a static cache the padding fits in
             run_pre_hooks(model, inputs)
             output = None

@@ -18,7 +18,7 @@ from transformers import CompileConfig
 import hf_spec.forward
 import hf_spec.mixin
 from hf_spec import speculative
-from hf_spec.conditioning import split_model_kwargs, with_position_axes
+from hf_spec.conditioning import holds_same_encoder, split_model_kwargs, with_position_axes
 from hf_spec.decoding import speculative_decode
 from hf_spec.evaluation import conditioned
 from hf_spec.evaluation.exactness import exact_law, fit_sequences
@@ -59,6 +59,15 @@ def test_a_draft_with_another_encoder_runs_it_once():
             hook.remove()
     assert torch.equal(expected, actual)
     assert sorted(counts) == ["draft", "target"]
+
+
+def test_a_shared_encoder_is_found_again_after_its_weights_change():
+    case = conditioned.build_case("whisper")
+    draft = case.drafts["same encoder"]
+    assert holds_same_encoder(draft, case.target) and holds_same_encoder(draft, case.target)  # remembered
+    with torch.no_grad():
+        draft.get_encoder().layers[0].fc1.weight.add_(1e-3)  # an in-place update: the remembered answer is stale
+    assert not holds_same_encoder(draft, case.target)
 
 
 def test_prompt_lookup_and_auto_k_on_a_decoder():
