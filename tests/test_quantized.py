@@ -1,4 +1,5 @@
-"""Quantized targets (bitsandbytes 8-bit, nf4, fp4): exact with respect to the quantized model's own p.
+"""Quantized targets (bitsandbytes 8-bit, nf4, fp4): exact with respect to the quantized model's own p (torch's
+weight-only int8 and int4: `tests/test_weight_only.py`).
 
 bitsandbytes runs 4-bit layers on a CPU by one of two paths (`hf_spec.loading.quantization`): with AVX512-BF16 it
 repacks the weights for a fused bf16 kernel ("packed"), on AVX2-only CPUs it dequantizes them at every call
@@ -35,8 +36,8 @@ import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.cli import main
 from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.loading.quantization import BITSANDBYTES_SCHEMES as SCHEMES
 from hf_spec.loading.quantization import (
-    SCHEMES,
     check_quantizable,
     first_device,
     packs_4bit_for_cpu,

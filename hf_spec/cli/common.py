@@ -96,7 +96,8 @@ def target_arguments() -> argparse.ArgumentParser:
                        help="keep transformers' stock CPU kernels (default: each model on its fastest forward path, "
                             "chosen by measurement)")
     group.add_argument("--quantize", default=None, choices=SCHEMES,
-                       help="load the target's linear layers quantized by bitsandbytes (the rest in --dtype)")
+                       help="the target's linear layers quantized: int8 / int4 weight-only on torch's CPU kernels, "
+                            "or bitsandbytes' 8bit / nf4 / fp4 (the rest in --dtype)")
     group.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     group.add_argument("--seed", type=int, default=0, help="seeds sampling and the tiny pair's weights")
     return parser

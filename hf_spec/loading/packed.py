@@ -148,6 +148,8 @@ def _unsupported(model: PreTrainedModel) -> str:
         return "the model is dispatched over several devices"
     if getattr(model.config, "quantization_config", None) is not None:
         return "the model is quantized"
+    if getattr(model, "hf_spec_weight_only", None) is not None:
+        return f"its weights are {model.hf_spec_weight_only}, on torch's weight-only kernels"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"{model.dtype} weights"
     if not torch.backends.mkldnn.is_available():

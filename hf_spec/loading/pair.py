@@ -141,8 +141,9 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             float32.
         optimize: put each model on its fastest CPU forward path (`hf_spec.loading.packed.optimize`: the target for
             verifying blocks, the draft for steps), chosen by measurement.
-        quantize, quantize_draft: a bitsandbytes scheme (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; the
-            quantized target is spread by ``device_map="auto"``, and the draft goes to its first device.
+        quantize, quantize_draft: ``"int8"`` or ``"int4"`` (weight-only, torch's CPU kernels) or a bitsandbytes scheme
+            (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; a bitsandbytes target is spread by
+            ``device_map="auto"``, and the draft goes to its first device.
         draft_dtype: the draft's weights when they should differ (training keeps float32).
         draft_vocab: keep only the draft's N most frequent output ids (FR-Spec, `hf_spec.drafting.vocabulary`),
             counted on the target's greedy continuations of ``draft_vocab_corpus`` then on the corpus itself

@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_spec.compat import drop_gguf_quantizer
+from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, quantize_weights
 from hf_spec.extras import require
 from hf_spec.loading.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, PackagedModel
 from hf_spec.loading.cpu import release_freed_memory
@@ -59,8 +60,9 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Pat
     """``(model, tokenizer)`` for a built-in name, a local folder or a Hub id, through ``from_pretrained``.
 
     ``quantize``: ``"8bit"``, ``"nf4"`` or ``"fp4"`` loads the weights quantized by bitsandbytes
-    (`hf_spec.loading.quantization`), the rest in ``dtype``, with ``device_map="auto"`` unless ``kwargs`` name another.
-    Other ``kwargs`` go to ``from_pretrained``.
+    (`hf_spec.loading.quantization`), the rest in ``dtype``, with ``device_map="auto"`` unless ``kwargs`` name another;
+    ``"int8"`` or ``"int4"`` loads them in ``dtype``, then keeps the linear layers' weights in that many bits for
+    torch's CPU kernels (`hf_spec.loading.weight_only`). Other ``kwargs`` go to ``from_pretrained``.
 
     Raises:
         FileNotFoundError: ``name_or_path`` is a path that does not exist (not a Hub id).
@@ -73,7 +75,8 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Pat
             raise FileNotFoundError(f"{name_or_path!r} is neither a built-in model ({', '.join(PACKAGED_MODELS)}) "
                                     "nor an existing folder.")
         location = str(Path(location).expanduser())
-    if quantize is not None:
+    weight_only = quantize in WEIGHT_ONLY_SCHEMES
+    if quantize is not None and not weight_only:
         from transformers import AutoConfig
 
         from hf_spec.loading.quantization import check_quantizable, quantization_config
@@ -82,6 +85,8 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Pat
         kwargs = {"device_map": "auto", **kwargs, "quantization_config": quantization_config(quantize, compute_dtype)}
         check_quantizable(AutoConfig.from_pretrained(location), quantize, kwargs["device_map"])
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs).eval()
+    if weight_only:
+        quantize_weights(model, quantize)
     release_freed_memory()
     return model, AutoTokenizer.from_pretrained(location)
 

@@ -30,6 +30,7 @@ CPU, naming the layer and its size. 8-bit layers have no such limit.
 
 from __future__ import annotations
 
+import copy
 import functools
 import tempfile
 
@@ -38,9 +39,12 @@ from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
 from hf_spec.compat import modules_kept_in_full_precision
 from hf_spec.extras import require_extra
+from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, quantize_weights
 
-#: ``8bit``: LLM.int8 weights; ``nf4`` / ``fp4``: 4-bit weights of that data type (blocks of 64, fp32 scales).
-SCHEMES = ("8bit", "nf4", "fp4")
+#: ``8bit``: LLM.int8 weights; ``nf4`` / ``fp4``: 4-bit weights of that data type (blocks of 64, fp32 scales);
+#: ``int8`` / ``int4``: weight-only layers on torch's own CPU kernels (`hf_spec.loading.weight_only`).
+BITSANDBYTES_SCHEMES = ("8bit", "nf4", "fp4")
+SCHEMES = (*BITSANDBYTES_SCHEMES, *WEIGHT_ONLY_SCHEMES)
 
 #: bitsandbytes' 4-bit block size (its default, which `quantization_config` keeps).
 BLOCK_SIZE = 64
@@ -49,7 +53,10 @@ PACKED_ROWS = 32
 
 
 def quantization_config(scheme: str, compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig:
-    """The `BitsAndBytesConfig` of ``scheme`` (one of `SCHEMES`); 4-bit layers compute in ``compute_dtype``."""
+    """The `BitsAndBytesConfig` of a bitsandbytes ``scheme``; 4-bit layers compute in ``compute_dtype``."""
+    if scheme in WEIGHT_ONLY_SCHEMES:
+        raise ValueError(f"{scheme!r} is quantized by hf_spec on torch's kernels, not by bitsandbytes: "
+                         "`hf_spec.loading.weight_only.quantize_weights` (or `quantized_copy`).")
     if scheme in SCHEMES:
         require_extra("quantization", f"Quantizing with {scheme!r}")
     if scheme == "8bit":
@@ -70,7 +77,7 @@ def quantization_of(model: PreTrainedModel) -> str | None:
     (``"gptq"``, ...), or ``None`` for an unquantized model."""
     config = getattr(model.config, "quantization_config", None)
     if config is None:
-        return None
+        return getattr(model, "hf_spec_weight_only", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     if config.get("load_in_8bit"):
         return "8bit"
@@ -82,7 +89,10 @@ def quantization_of(model: PreTrainedModel) -> str | None:
 def quantized_copy(model: PreTrainedModel, scheme: str, compute_dtype: torch.dtype = torch.float32,
                    **from_pretrained_kwargs) -> PreTrainedModel:
     """A copy of an in-memory ``model`` with its linear layers quantized by ``scheme``: saved to a temporary folder
-    and loaded back through ``from_pretrained`` (``device_map="auto"`` unless given), as a checkpoint would be."""
+    and loaded back through ``from_pretrained`` (``device_map="auto"`` unless given), as a checkpoint would be; a
+    weight-only scheme (``"int8"``, ``"int4"``) quantizes a deep copy in place."""
+    if scheme in WEIGHT_ONLY_SCHEMES:
+        return quantize_weights(copy.deepcopy(model), scheme)
     quantization = quantization_config(scheme, compute_dtype)  # checks `scheme` before any work
     check_quantizable(model, scheme, from_pretrained_kwargs.get("device_map", "auto"))
     with tempfile.TemporaryDirectory() as folder:
@@ -111,6 +121,8 @@ def check_quantizable(model: PreTrainedModel | PretrainedConfig, scheme: str, de
     Raises:
         ValueError: naming the first layer that does not fit, its size, and what to do.
     """
+    if scheme in WEIGHT_ONLY_SCHEMES:
+        return
     quantization_config(scheme)  # checks the name
     if scheme == "8bit" or not _runs_on_cpu(device_map) or not packs_4bit_for_cpu():
         return

@@ -1,0 +1,107 @@
+"""Weight-only int8 and int4 linear layers on torch's own CPU kernels, for targets and drafts at the memory limit.
+
+A decoding step on a CPU reads every weight once, so its time follows the bytes read: a 1.5B model reads 3.1 GB a step
+in bf16, 1.5 GB in int8, 0.8 GB in int4. `quantize_weights` replaces a model's ``nn.Linear`` layers, in place, by
+`WeightOnlyLinear` layers that keep the weights in fewer bits and multiply with ``aten._weight_int8pack_mm`` (int8,
+one scale per output row, symmetric) or ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of `INT4_GROUP` inputs,
+a scale and a zero point each); activations stay in the model's dtype.
+
+Speculative decoding asks nothing of a quantized model: its p is what the quantized model computes, so the output
+law is that of target-only decoding with the quantized target (`tests/test_quantized.py`). How far a quantized model
+is from the one it was made from is measured separately (`hf_spec.evaluation.quantization_error`).
+
+The schemes:
+
+- ``"int8"``: every linear layer, the output layer included, int8;
+- ``"int4"``: every linear layer int4, the output layer int8 (the layer whose rounding moves the logits most).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: The weight-only schemes on torch's kernels (bitsandbytes' are in `hf_spec.loading.quantization`).
+WEIGHT_ONLY_SCHEMES = ("int8", "int4")
+#: Inputs per int4 group (a scale and a zero point each): torch's CPU kernel takes 32, 64, 128 or 256.
+INT4_GROUP = 32
+
+
+class WeightOnlyLinear(nn.Module):
+    """A linear layer whose weights are int8 (per output row) or int4 (per group of `INT4_GROUP` inputs).
+
+    Buffers: ``weight_int8`` ``[out, in]`` and ``scales`` ``[out]``; or ``weight_int4`` (torch's CPU packing of
+    ``[out, in]``) and ``scales_and_zeros`` ``[in / group, out, 2]``; ``bias`` ``[out]`` or ``None``.
+    """
+
+    def __init__(self, linear: nn.Linear, bits: int):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"`bits` must be 4 or 8, but is {bits!r}.")
+        self.bits, self.in_features, self.out_features = bits, linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()  # [out, in]
+        if bits == 8:
+            scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
+            self.register_buffer("weight_int8", (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scales", scales.to(linear.weight.dtype))
+        else:
+            if self.in_features % INT4_GROUP:
+                raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, but a layer has "
+                                 f"{self.in_features}; use 'int8'.")
+            groups = weight.view(self.out_features, -1, INT4_GROUP)  # [out, in / group, group]
+            low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+            scales = ((high - low) / 15).clamp_min(1e-12)
+            codes = ((groups - low) / scales).round().clamp(0, 15).view(self.out_features, -1).to(torch.int32)
+            zeros = low + 8 * scales  # torch's convention: w = (code - 8) * scale + zero
+            self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
+            self.register_buffer("scales_and_zeros", torch.stack(
+                [scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).contiguous().to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [tokens, in]
+        if self.bits == 8:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales.to(rows.dtype))
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP,
+                                                             self.scales_and_zeros.to(rows.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight ``[out, in]`` this layer multiplies by, in float32."""
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=self._buffer().device)
+        bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).T.contiguous()
+        finally:
+            self.bias = bias
+
+    def _buffer(self) -> torch.Tensor:
+        return self.weight_int8 if self.bits == 8 else self.weight_int4
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
+    """Replace ``model``'s ``nn.Linear`` layers (on the CPU) by `WeightOnlyLinear` layers of ``scheme`` (one of
+    `WEIGHT_ONLY_SCHEMES`), in place; returns ``model``. Checks every layer before changing any."""
+    if scheme not in WEIGHT_ONLY_SCHEMES:
+        raise ValueError(f"`quantize` must be one of {WEIGHT_ONLY_SCHEMES} here, but is {scheme!r}.")
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if type(child) is nn.Linear]
+    plan = [(parent, name, child, 8 if scheme == "int8" or child is output else 4) for parent, name, child in layers]
+    for _, name, child, bits in plan:
+        if child.weight.device.type != "cpu":
+            raise ValueError(f"`quantize={scheme!r}` runs on torch's CPU kernels, but layer {name!r} is on "
+                             f"{child.weight.device}.")
+        if bits == 4 and child.in_features % INT4_GROUP:
+            raise ValueError(f"`quantize='int4'`: layer {name!r} has {child.in_features} inputs, not a multiple of "
+                             f"{INT4_GROUP}; use 'int8'.")
+    for parent, name, child, bits in plan:
+        setattr(parent, name, WeightOnlyLinear(child, bits))
+    model.hf_spec_weight_only = scheme
+    return model
