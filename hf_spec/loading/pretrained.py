@@ -34,10 +34,10 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_spec.compat import drop_gguf_quantizer
-from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, quantize_weights
 from hf_spec.extras import require
 from hf_spec.loading.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, PackagedModel
 from hf_spec.loading.cpu import release_freed_memory
+from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, quantize_weights
 from hf_spec.loading.wheels import download_wheels
 from hf_spec.storage import cache_dir
 
