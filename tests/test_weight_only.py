@@ -97,6 +97,17 @@ def test_greedy_ragged_batch_equals_quantized_target_only(scheme, dtype):
     assert 0 < output.speculative_stats.num_accepted < output.speculative_stats.num_draft_tokens  # both paths ran
 
 
+def test_a_model_on_packed_layers_is_quantized_from_its_dense_weights():
+    model = make_tiny_model(seed=0).to(torch.bfloat16)
+    expected = quantized_copy(model, "int8")
+    optimize(model, "packed")
+    quantized = quantized_copy(model, "int8")
+    assert not any("Packed" in type(module).__name__ for module in quantized.modules())
+    prompt = torch.tensor([[1, 3, 2, 0]])
+    with torch.no_grad():
+        assert torch.equal(quantized(prompt).logits, expected(prompt).logits)
+
+
 def test_a_quantized_model_pickles(full_precision):
     model = quantized_copy(full_precision, "int4")
     copy = pickle.loads(pickle.dumps(model))

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_spec.loading.packed import deoptimize
+
 #: The weight-only schemes on torch's kernels (bitsandbytes' are in `hf_spec.loading.quantization`).
 WEIGHT_ONLY_SCHEMES = ("int8", "int4")
 #: Inputs per int4 group (a scale and a zero point each): torch's CPU kernel takes 32, 64, 128 or 256.
@@ -87,9 +89,11 @@ class WeightOnlyLinear(nn.Module):
 
 def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers (on the CPU) by `WeightOnlyLinear` layers of ``scheme`` (one of
-    `WEIGHT_ONLY_SCHEMES`), in place; returns ``model``. Checks every layer before changing any."""
+    `WEIGHT_ONLY_SCHEMES`), in place; returns ``model``. Checks every layer before changing any. A model `optimize`
+    put on oneDNN's packed layers goes back to dense ones first (`deoptimize`)."""
     if scheme not in WEIGHT_ONLY_SCHEMES:
         raise ValueError(f"`quantize` must be one of {WEIGHT_ONLY_SCHEMES} here, but is {scheme!r}.")
+    deoptimize(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if type(child) is nn.Linear]
