@@ -27,7 +27,7 @@ from hf_spec.cli import main
 from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.packed import optimize
 from hf_spec.loading.quantization import quantization_of, quantized_copy
-from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, WeightOnlyLinear, quantize_weights
+from hf_spec.loading.weight_only import DENSE_ROWS, WEIGHT_ONLY_SCHEMES, WeightOnlyLinear, quantize_weights
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,16 @@ def test_a_model_on_packed_layers_is_quantized_from_its_dense_weights():
     prompt = torch.tensor([[1, 3, 2, 0]])
     with torch.no_grad():
         assert torch.equal(quantized(prompt).logits, expected(prompt).logits)
+
+
+def test_both_int8_paths_multiply_by_the_same_weights():
+    """Few rows take torch's int8 kernel, a prompt's pass the int8 weight cast and the result scaled: the same
+    product up to float rounding."""
+    layer = WeightOnlyLinear(torch.nn.Linear(64, 128), bits=8)
+    rows = torch.randn(DENSE_ROWS, 64)
+    few, many = layer(rows[:DENSE_ROWS - 1]), layer(rows)
+    expected = rows @ layer.dequantized().T + layer.bias
+    assert torch.allclose(many, expected, atol=1e-5) and torch.allclose(few, expected[:DENSE_ROWS - 1], atol=1e-5)
 
 
 def test_a_quantized_model_pickles(full_precision):
