@@ -165,7 +165,7 @@ def test_multi_axis_positions_follow_each_row(broken, monkeypatch):
     expected = case.target.generate(**case.inputs, **settings)
     actual = speculative(case.target).generate(**case.inputs, assistant_model=case.drafts["near-copy"], **settings)
     difference = max(float((a - b).abs().max()) for a, b in zip(expected.logits, actual.logits, strict=True))
-    assert (difference < 1e-5) != broken, difference
+    assert (difference < 1e-4) != broken, difference
 
 
 def test_a_vision_language_draft_of_another_family_is_refused():
