@@ -62,7 +62,6 @@ def _run(model: PreTrainedModel, inputs: dict, num_logits: int,
         mask = inputs.get("attention_mask")
         cached = cache_length(inputs["cache"]) if compiled is not None else 0
         if (compiled is not None and width is not None and (mask is None or mask.dim() == 2)  # not a tree's pass
-                and "input_ids" in inputs  # a decoder-only model's (an encoder-decoder's compile_config is refused)
                 and cached + width <= (static_length(inputs["cache"]) or 0)):  # a static cache the padding fits in
             run_pre_hooks(model, inputs)
             output = None
@@ -125,7 +124,8 @@ def prefill(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, attention
     if cache_length(cache) > 0 or sequence_ids.shape[1] < 2:
         raise ValueError(f"Image inputs ({', '.join(sorted(prompt_inputs))}) need a prompt of at least 2 tokens and "
                          "no `cache=` holding part of it: they are read in the prompt's own pass.")
-    if placeholders and bool(torch.isin(sequence_ids[:, -1], torch.tensor(sorted(placeholders))).any()):
+    placeholder_ids = torch.tensor(sorted(placeholders), dtype=torch.long, device=sequence_ids.device)
+    if placeholders and bool(torch.isin(sequence_ids[:, -1], placeholder_ids).any()):
         raise ValueError(f"A prompt of `input_ids` ends in an image placeholder ({sorted(placeholders)}); end it with "
                          "text (the chat template's generation prompt does).")
     mask = None if attention_mask is None else attention_mask[:, :-1]
@@ -195,10 +195,7 @@ def _tree_inputs(model: PreTrainedModel, cache, sequence_ids: torch.Tensor, atte
         visible = F.pad(visible, (0, static_length(cache) - visible.shape[1]))
     positions = is_real.long().cumsum(0) - 1  # [length]
     position_ids = torch.cat([positions[length - num_missing:], positions[-1] + node_depths])  # [missing + m]
-    names = input_names(type(model))
-    if names.positions is None:
-        raise ValueError(f"Tree drafts place each node at its depth's position, which {type(model).__name__}'s "
-                         "forward cannot take (it places tokens by cache position); leave `num_tree_nodes` unset.")
+    names = input_names(type(model))  # positions: a model without them is refused with trees before any pass
     attached = dict(attached_inputs(cache))
     offsets = attached.pop(POSITION_OFFSETS, None)
     inputs = {**attached, names.ids: torch.cat([missing_ids, node_ids])[None],

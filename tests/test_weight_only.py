@@ -19,6 +19,7 @@ from helpers import (
     make_tiny_model,
     resample_from_p,
     sample_speculative,
+    small_target_model,
 )
 
 import hf_spec
@@ -33,7 +34,7 @@ from hf_spec.loading.weight_only import DENSE_ROWS, WEIGHT_ONLY_SCHEMES, WeightO
 @pytest.fixture(scope="module")
 def full_precision():
     """The statistical tests' small target (vocabulary 4), before quantization."""
-    return make_tiny_model(seed=10, vocab_size=4, num_layers=1, head_scale=3.0)
+    return small_target_model()
 
 
 @pytest.fixture(scope="module")
