@@ -57,7 +57,8 @@ MIN_STATIC_CACHE = 256
 #: The settings hf_spec reads itself, beside transformers' merged generation config (whose assisted-generation
 #: fields hold transformers' global defaults when nobody set them).
 READ_SETTINGS = ("num_tree_nodes", "verification", *ASSISTANT_SETTINGS)
-#: The acceptance rules of a sampled chain (`hf_spec.rejection`): block verification (the default) or token-wise.
+#: The acceptance rules of sampled drafts: whole blocks and paths (the default; `hf_spec.rejection.accept_block` on a
+#: chain, `hf_spec.traversal.accept_traversal` on a tree), or token by token (node by node on a tree).
 VERIFICATIONS = ("block", "token")
 
 
@@ -103,14 +104,12 @@ def plan_call(assistant_model: Any, generation_config: GenerationConfig, options
         drafter = make_drafter(assistant_model, tree=is_tree, prompt_lookup_num_tokens=lookup_tokens,
                                ngram_size=ngram_size)
     if is_tree:
-        if settings.get("verification") == "block":
-            raise ValueError("`verification='block'` judges a chain of drafts as a block; with `num_tree_nodes` a "
-                             "tree's children are verified node by node. Pass one of them.")
         for name, value in (("num_assistant_tokens_schedule", schedule), ("assistant_confidence_threshold", threshold)):
             if value not in (None, "constant"):
                 raise ValueError(f"`{name}`={value!r} shapes a chain of drafts; with `num_tree_nodes` the tree's "
                                  "size comes from `num_tree_nodes` (an integer or 'auto'). Pass one of them.")
-        return TreeRounds(drafter, resolve_tree_size(num_tree_nodes, num_assistant_tokens, lookup_tokens))
+        return TreeRounds(drafter, resolve_tree_size(num_tree_nodes, num_assistant_tokens, lookup_tokens),
+                          settings.get("verification", "block"))
     return ChainRounds(drafter, resolve_num_draft_tokens(num_assistant_tokens, lookup_tokens, schedule), threshold,
                        settings.get("verification", "block"))
 

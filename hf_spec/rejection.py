@@ -176,8 +176,8 @@ def accept_greedy(draft_ids: torch.Tensor, target_scores: torch.Tensor) -> tuple
     Returns:
         The same ``(output_ids [batch, k + 1], num_accepted [batch])`` as :func:`accept_draft_tokens`.
     """
-    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
-    _check_shape("target_scores", target_scores, 3, (batch_size, k + 1, target_scores.shape[-1]))
+    batch_size, k = check_shape("draft_ids", draft_ids, 2)
+    check_shape("target_scores", target_scores, 3, (batch_size, k + 1, target_scores.shape[-1]))
     target_ids = target_scores.argmax(dim=-1)  # [batch, k + 1]
     num_accepted = (draft_ids == target_ids[:, :k]).long().cumprod(dim=-1).sum(dim=-1)  # [batch]
     next_ids = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [batch]
@@ -188,14 +188,14 @@ def _check_block(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
                  ) -> tuple[int, int, int]:
     """``(batch, k, vocab)`` of a chain's block: ``draft_ids`` [batch, k], ``draft_probs`` [batch, k, vocab],
     ``target_probs`` [batch, k + 1, vocab]; ``ValueError`` naming the first that does not fit."""
-    batch_size, k = _check_shape("draft_ids", draft_ids, 2)
+    batch_size, k = check_shape("draft_ids", draft_ids, 2)
     vocab_size = target_probs.shape[-1]
-    _check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
-    _check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
+    check_shape("draft_probs", draft_probs, 3, (batch_size, k, vocab_size))
+    check_shape("target_probs", target_probs, 3, (batch_size, k + 1, vocab_size))
     return batch_size, k, vocab_size
 
 
-def _check_shape(name: str, tensor: torch.Tensor, dims: int, expected: tuple[int, ...] | None = None) -> tuple:
+def check_shape(name: str, tensor: torch.Tensor, dims: int, expected: tuple[int, ...] | None = None) -> tuple:
     """``tensor.shape``; ``ValueError`` naming ``name`` unless it has ``dims`` dimensions (and ``expected``)."""
     shape = tuple(tensor.shape)
     if len(shape) != dims or (expected is not None and shape != expected):
@@ -251,11 +251,11 @@ def accept_tree(
     Returns:
         The accepted path (node indices, root's child first) and the next token (0-dim int64).
     """
-    num_nodes = _check_tree("token_ids", token_ids, parents)
+    num_nodes = check_tree("token_ids", token_ids, parents)
     vocab_size = target_probs.shape[-1]
-    _check_shape("draft_probs", draft_probs, 2, (num_nodes, vocab_size))
-    _check_shape("target_probs", target_probs, 2, (num_nodes + 1, vocab_size))
-    children = _children(parents)
+    check_shape("draft_probs", draft_probs, 2, (num_nodes, vocab_size))
+    check_shape("target_probs", target_probs, 2, (num_nodes + 1, vocab_size))
+    children = children_of(parents)
     tokens = token_ids.tolist()
     path, node = [], -1
     while True:
@@ -288,10 +288,10 @@ def accept_tree_greedy(token_ids: torch.Tensor, parents: list[int],
     Returns:
         The same ``(path, next token)`` as :func:`accept_tree`.
     """
-    num_nodes = _check_tree("token_ids", token_ids, parents)
-    _check_shape("target_scores", target_scores, 2, (num_nodes + 1, target_scores.shape[-1]))
+    num_nodes = check_tree("token_ids", token_ids, parents)
+    check_shape("target_scores", target_scores, 2, (num_nodes + 1, target_scores.shape[-1]))
     best = target_scores.argmax(dim=-1)  # [n + 1]
-    best_list, tokens, children = best.tolist(), token_ids.tolist(), _children(parents)
+    best_list, tokens, children = best.tolist(), token_ids.tolist(), children_of(parents)
     path, node = [], -1
     while True:
         match = [child for child in children[node] if tokens[child] == best_list[node + 1]]
@@ -301,16 +301,16 @@ def accept_tree_greedy(token_ids: torch.Tensor, parents: list[int],
         path.append(node)
 
 
-def _check_tree(name: str, token_ids: torch.Tensor, parents: list[int]) -> int:
+def check_tree(name: str, token_ids: torch.Tensor, parents: list[int]) -> int:
     """The number of nodes; ``ValueError`` unless ``token_ids`` is 1-D and ``parents`` a matching topological list."""
-    (num_nodes,) = _check_shape(name, token_ids, 1)
+    (num_nodes,) = check_shape(name, token_ids, 1)
     if len(parents) != num_nodes or any(not -1 <= parent < i for i, parent in enumerate(parents)):
         raise ValueError(f"`parents` must list, for each of the {num_nodes} nodes, a parent index in [-1, i) (-1: "
                          f"the root), but is {list(parents)}.")
     return num_nodes
 
 
-def _children(parents: list[int]) -> dict[int, list[int]]:
+def children_of(parents: list[int]) -> dict[int, list[int]]:
     """Each node's children in index order (the root is -1); every node has an entry."""
     children: dict[int, list[int]] = {node: [] for node in range(-1, len(parents))}
     for node, parent in enumerate(parents):

@@ -8,11 +8,12 @@ shape is a strategy object, chosen once per call (`hf_spec.plan`):
   block; `hf_spec.rejection.accept_draft_tokens` (vectorized over rows and positions); the accepted prefix is already
   where the cache needs it.
 - `TreeRounds`: a tree of at most N tokens (``num_tree_nodes``) for a batch of one row; one target pass under a tree
-  attention mask; `hf_spec.rejection.accept_tree` walks one path down; the caches keep the committed prefix and the
-  accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed. A round whose tree the
-  sizer chose as a chain (or as nothing) runs as a chain round instead: the same tokens and laws, but causal passes
-  with no tree mask and one processor pass over the block; so is a drafted tree that came out a chain (sampled, where
-  the draft's nucleus holds one token), from its verify pass on. As trees they cost 3-5% more a round (AMX, edit
+  attention mask; sampled, `hf_spec.traversal.accept_traversal` keeps one path, judged whole from the leaves up
+  (``verification="token"``: `hf_spec.rejection.accept_tree`, node by node from the root); the caches keep the
+  committed prefix and the accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed. A
+  round whose tree the sizer chose as a chain (or as nothing) runs as a chain round instead: the same tokens and
+  laws, but causal passes with no tree mask and one processor pass over the block; so is a drafted tree that came
+  out a chain (sampled, where the draft's nucleus holds one token), from its verify pass on. As trees they cost 3-5% more a round (AMX, edit
   requests: the auto tree, which drafts 10-node chains there, ran 0.95x auto k).
 
 Why trees are for one row: each row would need its own tree, 4D mask and gathered path, and the suffix and
@@ -37,6 +38,7 @@ from hf_spec.drafting.tree import DraftTree, TreeDrafter
 from hf_spec.forward import extend_mask, forward_missing, forward_tree
 from hf_spec.rejection import accept_block, accept_draft_tokens, accept_greedy, accept_tree, accept_tree_greedy
 from hf_spec.rows import RaggedBatch
+from hf_spec.traversal import accept_traversal
 from logits_processors import process_block, process_step
 
 
@@ -198,9 +200,16 @@ class TreeRounds(Rounds):
     or `AutoTreeSize`). Where the sizer chooses a chain (branching 1) or no draft, the round is a chain round
     (``chain``): its draft is a `Proposal`, and every step below hands it to ``chain``."""
 
-    def __init__(self, drafter: TreeDrafter, sizer):
-        self.drafter, self.sizer = drafter, sizer
-        self.chain = ChainRounds(drafter, sizer, verification="token")  # a tree's chain rounds: per-node rule too
+    def __init__(self, drafter: TreeDrafter, sizer, verification: str = "block"):
+        self.drafter, self.sizer, self.verification = drafter, sizer, verification
+        self.chain = ChainRounds(drafter, sizer, verification=verification)  # the same kind of rule on its chains
+
+    def rule(self, do_sample: bool) -> str:
+        """Sampled: traversal verification of trees (block verification of chains), or node by node (token by
+        token) where ``verification="token"``."""
+        if not do_sample:
+            return "greedy"
+        return "traversal" if self.verification == "block" else "tree"
 
     def start(self, batch: RaggedBatch, target_cache, conditioning: Conditioning) -> None:
         if batch.batch_size != 1:
@@ -242,8 +251,9 @@ class TreeRounds(Rounds):
         if isinstance(draft, Proposal):
             return self.chain.accept(draft, verified, context)
         if context.do_sample:
-            path, next_id = accept_tree(draft.token_ids, draft.parents, draft.draft_probs,
-                                        verified.scores.softmax(dim=-1), context.generator)
+            rule = accept_traversal if self.verification == "block" else accept_tree
+            path, next_id = rule(draft.token_ids, draft.parents, draft.draft_probs, verified.scores.softmax(dim=-1),
+                                 context.generator)
         else:
             path, next_id = accept_tree_greedy(draft.token_ids, draft.parents, verified.scores)
         device = verified.scores.device

@@ -32,7 +32,8 @@ class SpeculativeStats:
         verify_seconds: wall-clock time in target forward passes, acceptance and rollback.
         rows: per batch row, in the input's order.
         verification: the acceptance rule that ran: ``"block"`` or ``"token"`` (sampled chains,
-            `hf_spec.rejection`), ``"greedy"``, or ``"tree"`` (per-node rejection over a tree's children).
+            `hf_spec.rejection`), ``"traversal"`` (sampled trees judged path by path, `hf_spec.traversal`, their
+            chain rounds by block verification) or ``"tree"`` (node by node, ``verification="token"``), ``"greedy"``.
         profile: seconds per section of the loop (`hf_spec.profiling.SECTIONS`) when the call ran inside
             `hf_spec.profiling.profile_rounds`, else ``None``; ``profile_passes``: forward passes per section
             (`hf_spec.profiling.FORWARD_SECTIONS`) then.

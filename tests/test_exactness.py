@@ -120,11 +120,11 @@ def test_the_rule_that_ran_is_reported_and_bad_choices_are_refused(small_target,
     ran = {name: small_target.generate(prompt, **common, **extra).speculative_stats.verification for name, extra in {
         "default": {"do_sample": True}, "token": {"do_sample": True, "verification": "token"},
         "greedy": {"do_sample": False}, "tree": {"do_sample": True, "num_tree_nodes": 4},
+        "tree_token": {"do_sample": True, "num_tree_nodes": 4, "verification": "token"},
         "confidence": {"do_sample": True, "assistant_confidence_threshold": 0.3}}.items()}
-    assert ran == {"default": "block", "token": "token", "greedy": "greedy", "tree": "tree", "confidence": "token"}
+    assert ran == {"default": "block", "token": "token", "greedy": "greedy", "tree": "traversal", "tree_token": "tree",
+                   "confidence": "token"}
     with pytest.raises(ValueError, match=r"`verification` must be one of \('block', 'token'\), but is 'tree'"):
         small_target.generate(prompt, verification="tree", **common)
-    with pytest.raises(ValueError, match="`verification='block'` judges a chain"):
-        small_target.generate(prompt, verification="block", num_tree_nodes=4, **common)
     with pytest.raises(ValueError, match="used by speculative decoding only"):
         small_target.generate(prompt, verification="token", max_new_tokens=4)

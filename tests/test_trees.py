@@ -142,12 +142,13 @@ def _settings(settings: dict) -> dict:
     return {"max_new_tokens": NUM_TOKENS, "min_new_tokens": NUM_TOKENS, **settings}
 
 
-def _sample_trees(target, assistant, settings: dict, seed: int, **tree) -> np.ndarray:
+def _sample_trees(target, assistant, settings: dict, seed: int, samples: int = GENERATE_SAMPLES,
+                  **tree) -> np.ndarray:
     generator = torch.Generator().manual_seed(seed)
     return np.array([
         target.generate(PROMPT, assistant_model=assistant, do_sample=True, generator=generator, pad_token_id=0,
                         logits_processor=LogitsProcessorList(), **tree, **_settings(settings))[0, PROMPT.shape[1]:]
-        .tolist() for _ in range(GENERATE_SAMPLES)
+        .tolist() for _ in range(samples)
     ])
 
 
@@ -165,6 +166,8 @@ TREE_CASES = {
         {"num_tree_nodes": 6, "num_assistant_tokens": 3}),
     "iid_children": (lambda draft: ModelTreeDrafter(draft, branching=3, width=1, replacement=True), {},
                      {"num_tree_nodes": 7}),
+    "node_by_node": (lambda draft: draft, {"temperature": 0.7, "top_k": 3},
+                     {"num_tree_nodes": 6, "verification": "token"}),
     "suffix_point_masses": (lambda draft: SuffixDrafter(max_ngram_size=2), {"top_p": 0.95},
                             {"num_tree_nodes": 5}),
     "auto_budget": (lambda draft: draft, {"temperature": 0.8}, {"num_tree_nodes": _auto_tree_size()}),
@@ -183,7 +186,10 @@ def test_generate_with_trees_samples_the_target_law(small_target, small_draft, c
         assert len(set(chooser.chosen)) > 1 and set(chooser.chosen_branching) == {1, 2}, set(chooser.chosen)
 
 
-def test_negative_control_children_without_replacement_reported_as_iid(small_target, small_draft, monkeypatch):
+@pytest.mark.parametrize("verification, samples", [("token", GENERATE_SAMPLES), ("block", 3 * GENERATE_SAMPLES)])
+def test_negative_control_children_without_replacement_reported_as_iid(small_target, small_draft, monkeypatch,
+                                                                        verification, samples):
+    """Under both rules (traversal verification is closer to the law with these wrong laws: more samples)."""
     original = hf_spec.drafting.branching._children
 
     def reported_as_iid(probs, scores, count, context, replacement):
@@ -191,7 +197,7 @@ def test_negative_control_children_without_replacement_reported_as_iid(small_tar
 
     monkeypatch.setattr(hf_spec.drafting.branching, "_children", reported_as_iid)
     samples = _sample_trees(small_target, ModelTreeDrafter(small_draft, branching=3, width=1), {}, seed=5,
-                            num_tree_nodes=7)
+                            samples=samples, num_tree_nodes=7, verification=verification)
     result = fit_sequences(samples, exact_law(small_target, _settings({}), PROMPT, NUM_TOKENS, []))
     print("negative control, without replacement reported as i.i.d.:", result)
     assert not result.is_consistent, result
@@ -200,14 +206,17 @@ def test_negative_control_children_without_replacement_reported_as_iid(small_tar
 def _accept_chains_against_the_draft(monkeypatch) -> list[int]:
     """From now on, chain rounds are verified against the draft's own law (p := q where drafted): a broken rule
     that only a test seeing chain rounds can catch. Returns the drafted lengths of the chain rounds, as they run."""
-    original, chain_rounds = hf_spec.rounds.accept_draft_tokens, []
+    chain_rounds = []
 
-    def against_the_draft(draft_ids, draft_probs, target_probs, generator=None):
-        chain_rounds.append(draft_ids.shape[1])
-        laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)
-        return original(draft_ids, draft_probs, laws, generator)
+    def against_the_draft(original):
+        def accept(draft_ids, draft_probs, target_probs, generator=None):
+            chain_rounds.append(draft_ids.shape[1])
+            laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)
+            return original(draft_ids, draft_probs, laws, generator)
+        return accept
 
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", against_the_draft)
+    for rule in ("accept_draft_tokens", "accept_block"):  # whichever the chain rounds run
+        monkeypatch.setattr(hf_spec.rounds, rule, against_the_draft(getattr(hf_spec.rounds, rule)))
     return chain_rounds
 
 
