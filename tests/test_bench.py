@@ -497,3 +497,80 @@ def test_first_calls_run_each_method_in_a_fresh_process(tmp_path, capsys):
     assert all(n == 6 for n in result["hf_spec_k3"]["new_tokens"]) and result["hf_spec_k3"]["speed_over_target_only"]
     assert main([*argv, "--repeats", "2"]) == 2
     assert "it does not take --repeats" in capsys.readouterr().err
+
+
+FAKE_OPENVINO = '''
+import numpy
+
+
+class Tensor:
+    def __init__(self, array):
+        self.data = numpy.asarray(array)
+'''
+FAKE_GENAI = '''
+import json, os
+
+
+class GenerationConfig:
+    pass
+
+
+class TokenizedInputs:
+    def __init__(self, ids, mask):
+        self.ids = ids
+
+
+def draft_model(folder, device, **properties):
+    return folder
+
+
+class LLMPipeline:
+    def __init__(self, folder, device, draft_model=None, **properties):
+        self.draft = draft_model
+        with open(os.environ["FAKE_OPENVINO_LOG"], "a") as log:
+            log.write(json.dumps({"target": folder, "draft": draft_model, **properties}) + "\\n")
+
+    def generate(self, inputs, config):
+        class Result:  # the prompt's last token, repeated; stops at an end token given as the prompt's first
+            tokens = [[int(inputs.ids.data[0, -1])] * config.max_new_tokens]
+        with open(os.environ["FAKE_OPENVINO_LOG"], "a") as log:
+            log.write(json.dumps({"k": getattr(config, "num_assistant_tokens", None), "sample": config.do_sample,
+                                  "max_new_tokens": config.max_new_tokens}) + "\\n")
+        return Result()
+'''
+
+
+def test_openvino_peer_runs_interleaved_through_its_own_python(tmp_path, monkeypatch):
+    """The peer's worker under a stand-in OpenVINO (no OpenVINO here): every prompt and setting reaches it, with
+    k and the sampling flag; its runs land in the report beside the others; folders and Pythons are checked."""
+    from hf_spec.bench.peers import OpenVINOPeer
+
+    (tmp_path / "openvino.py").write_text(FAKE_OPENVINO)
+    (tmp_path / "openvino_genai.py").write_text(FAKE_GENAI)
+    for folder in ("t", "d"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "openvino_model.xml").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("FAKE_OPENVINO_LOG", str(tmp_path / "log.jsonl"))
+    import sys
+
+    peer = OpenVINOPeer(sys.executable, {"int8": (str(tmp_path / "t"), str(tmp_path / "d"))}, threads=1)
+    target, draft = build_tiny_pair(seed=1)
+    workloads = random_workloads(("code",), 2, TINY_VOCAB_SIZE, seed=0)
+    report = run_benchmark(target, draft, workloads, methods=("target_only", "hf_spec"), num_draft_tokens=3,
+                           max_new_tokens=6, progress=False, peer=peer)
+    rows = {(row["setting"], row["method"]) for row in report["results"]}
+    assert {("greedy", "openvino_int8"), ("sampled", "openvino_int8_k3")} <= rows
+    runs = [run for run in report["runs"] if run["method"].startswith("openvino")]
+    assert len(runs) == 2 * 2 * 2 and all(run["new_tokens"] == 6 for run in runs)
+    greedy_k = [run for run in runs if run["method"] == "openvino_int8_k3" and run["setting"] == "greedy"]
+    assert all(run["identical_to_target_only"] for run in greedy_k)  # against the peer's own target-only
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [entry["draft"] for entry in log if "target" in entry] == [None, str(tmp_path / "d")]
+    calls = [entry for entry in log if "k" in entry]
+    assert {(entry["k"], entry["sample"]) for entry in calls} == {(None, False), (3, False), (None, True), (3, True)}
+    assert peer.process is None  # closed when the bench ends
+    with pytest.raises(ValueError, match="holds no openvino_model.xml"):
+        OpenVINOPeer(sys.executable, {"x": (str(tmp_path), None)})
+    with pytest.raises(ValueError, match="--openvino-python"):
+        OpenVINOPeer(str(tmp_path / "nothing"), {})

@@ -30,12 +30,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import time
 from collections.abc import Iterator
 
 import torch
 from transformers import CompileConfig, PreTrainedModel, StoppingCriteria
 
+from hf_spec.bench.measure import ForwardCounter, PeakMemory
+from hf_spec.bench.report import Run
 from hf_spec.drafting.base import DraftSource
+from hf_spec.evaluation.continuations import count_new_tokens
 from hf_spec.mixin import without_speculation
 from hf_spec.profiling import profile_rounds
 
@@ -176,3 +180,30 @@ def runs_on(spec: MethodSpec, variant) -> bool:
     if isinstance(variant[1], DraftSource):
         return spec.uses_draft and spec.is_ours
     return spec.uses_draft
+
+
+def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
+            profile: bool = False, draft_kwargs: dict | None = None, **where):
+    """``(Run, new ids [new])`` of one timed call (``profile``: hf_spec's loop profiled, `hf_spec.profiling`)."""
+    prompt_length = inputs["input_ids"].shape[1]
+    with (ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls,
+          PeakMemory(target.device) as memory):
+        started = time.perf_counter()
+        sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs, profile, draft_kwargs)
+        seconds = time.perf_counter() - started
+    new_tokens = count_new_tokens(sequence[prompt_length:], eos_ids)
+    if stats is not None:
+        proposed, accepted = stats.num_draft_tokens, stats.num_accepted
+    elif spec.uses_draft:  # transformers: every target pass emits its accepted tokens plus one
+        proposed, accepted = draft_calls.count, max(0, new_tokens - target_calls.count)
+    else:
+        proposed = accepted = None
+    new_ids = sequence[prompt_length:prompt_length + new_tokens].tolist()
+    run = Run(method=method, seconds=seconds, new_tokens=new_tokens, target_passes=target_calls.count,
+              draft_passes=draft_calls.count, proposed=proposed, accepted=accepted,
+              working_memory_bytes=memory.peak_bytes, new_ids=new_ids,
+              profile=None if stats is None else stats.profile,
+              profile_passes=None if stats is None else stats.profile_passes,
+              draft_lengths=None if stats is None else stats.draft_lengths,
+              text=None if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=True), **where)
+    return run, sequence[prompt_length:]

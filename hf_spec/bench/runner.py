@@ -35,16 +35,17 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, StoppingCriteriaList
 
-from hf_spec.bench.measure import ForwardCounter, PeakMemory, machine_info, weight_bytes
+from hf_spec.bench.measure import machine_info, weight_bytes
 from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, StopAfter, bench_compile_config,
-                                   generate_once, method_spec)
+                                   generate_once, method_spec, run_one)
+from hf_spec.bench.peers import OpenVINOPeer
 from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
 from hf_spec.checks import check_int
 from hf_spec.compiled import compiled_forward
 from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
-from hf_spec.evaluation.continuations import count_new_tokens, seeded
+from hf_spec.evaluation.continuations import seeded
 from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
@@ -53,33 +54,6 @@ from hf_spec.plan import chain_draft_widths, cross_tokenizer_drafter, make_draft
 
 logger = logging.getLogger(__name__)
 WARM_UP_TOKENS = 4  # tokens of each method's warm-up call (`_warm_up`)
-
-
-def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwargs, eos_ids, tokenizer=None,
-            profile: bool = False, draft_kwargs: dict | None = None, **where):
-    """``(Run, new ids [new])`` of one timed call (``profile``: hf_spec's loop profiled, `hf_spec.profiling`)."""
-    prompt_length = inputs["input_ids"].shape[1]
-    with (ForwardCounter(target) as target_calls, ForwardCounter(draft) as draft_calls,
-          PeakMemory(target.device) as memory):
-        started = time.perf_counter()
-        sequence, stats = generate_once(spec, target, draft, inputs, generate_kwargs, profile, draft_kwargs)
-        seconds = time.perf_counter() - started
-    new_tokens = count_new_tokens(sequence[prompt_length:], eos_ids)
-    if stats is not None:
-        proposed, accepted = stats.num_draft_tokens, stats.num_accepted
-    elif spec.uses_draft:  # transformers: every target pass emits its accepted tokens plus one
-        proposed, accepted = draft_calls.count, max(0, new_tokens - target_calls.count)
-    else:
-        proposed = accepted = None
-    new_ids = sequence[prompt_length:prompt_length + new_tokens].tolist()
-    run = Run(method=method, seconds=seconds, new_tokens=new_tokens, target_passes=target_calls.count,
-              draft_passes=draft_calls.count, proposed=proposed, accepted=accepted,
-              working_memory_bytes=memory.peak_bytes, new_ids=new_ids,
-              profile=None if stats is None else stats.profile,
-              profile_passes=None if stats is None else stats.profile_passes,
-              draft_lengths=None if stats is None else stats.draft_lengths,
-              text=None if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=True), **where)
-    return run, sequence[prompt_length:]
 
 
 def run_benchmark(
@@ -98,6 +72,7 @@ def run_benchmark(
     tokenizer=None,
     profile: bool | None = None,
     draft_tokenizer=None,
+    peer: OpenVINOPeer | None = None,
 ) -> dict:
     """Run every method on every (workload, setting, prompt, repeat), interleaved; return the report (JSON-ready).
 
@@ -115,6 +90,7 @@ def run_benchmark(
             generation).
         profile: profile hf_spec's loop (`hf_spec.profiling`: where each call's time goes); default: on a CPU (where
             it costs a few timestamps a round), not on an accelerator (where it synchronizes the device).
+        peer: OpenVINO GenAI in its own environment (`hf_spec.bench.peers`): its methods run interleaved too.
     """
     settings = SETTINGS if settings is None else settings
     for name, value in (("num_draft_tokens", num_draft_tokens), ("max_new_tokens", max_new_tokens),
@@ -124,6 +100,8 @@ def run_benchmark(
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
     plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
+    plan.peer, plan.peer_methods = peer, tuple(peer.methods(num_draft_tokens)) if peer else ()
+    methods = (*methods, *plan.peer_methods)
     if draft_tokenizer is not None:
         plan.draft_kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
         # transformers' sampled universal assisted generation rewires its draft's embeddings for good, and its greedy
@@ -142,7 +120,11 @@ def run_benchmark(
     cost_table = probe_costs(plan.pairs[""][0], drafter, probe_sizes(largest), draft_widths=chain_draft_widths(drafter))
     profile = plan.pairs[""][0].device.type == "cpu" if profile is None else profile
     graphs_before = _compiled_graphs(plan)
-    runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
+    try:
+        runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
+    finally:
+        if peer is not None:
+            peer.close()
     graphs_while_timed = {method: count - graphs_before[method] for method, count in _compiled_graphs(plan).items()}
 
     weights = {}
@@ -171,8 +153,8 @@ def run_benchmark(
                          "target_block_seconds": c.target_block_seconds, "cost_ratio": c.cost_ratio,
                          "block_cost_by_k": {kk: c.block_cost(kk) for kk in sorted(fixed_ks)}}
                   for name, c in costs.items()},
-        "results": summarize(runs, list(methods), costs,
-                             {m: s.fixed_num_draft_tokens for m, s in plan.specs.items()}, weights, cost_table),
+        "results": summarize(runs, list(methods), costs, {**dict.fromkeys(plan.peer_methods), **{
+            m: s.fixed_num_draft_tokens for m, s in plan.specs.items()}}, weights, cost_table),
         "runs": [dataclasses.asdict(run) for run in runs],
     }
 
@@ -189,6 +171,8 @@ class _Plan:
     draft_kwargs: dict = dataclasses.field(default_factory=dict)  # calls with the draft: its other tokenizer
     # copies of a draft of another tokenizer for transformers' methods, by do_sample
     transformers_drafts: dict[bool, PreTrainedModel] = dataclasses.field(default_factory=dict)
+    peer: OpenVINOPeer | None = None  # methods run by another environment (`hf_spec.bench.peers`)
+    peer_methods: tuple[str, ...] = ()
 
     @classmethod
     def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids) -> _Plan:
@@ -252,6 +236,8 @@ def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) 
                     raise
                 logger.warning(f"{method} raised in its warm-up: {type(error).__name__}: {error}")
         seconds[method] = time.perf_counter() - started
+    for method in plan.peer_methods:  # builds and compiles the pipeline
+        seconds[method] = plan.peer.generate(method, first["input_ids"], {}, plan.eos_ids, 0, WARM_UP_TOKENS)[0]
     return seconds
 
 
@@ -271,7 +257,7 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
                       progress: bool, tokenizer=None, profile: bool = False) -> list[Run]:
     """Every method on every (workload, setting, prompt, repeat), the methods' order rotating from one to the next;
     greedy outputs compared with target-only decoding of the same target."""
-    methods = tuple(plan.specs)
+    methods = (*plan.specs, *plan.peer_methods)
     device = plan.pairs[""][0].device
     jobs = [(w, s, p, r) for w in workloads for s in settings for p in range(len(workloads[w])) for r in range(repeats)]
     runs: list[Run] = []
@@ -282,6 +268,13 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
         new_ids = {}
         for method in order:
             where = {"workload": workload, "setting": setting, "prompt": prompt, "repeat": repeat}
+            if method in plan.peer_methods:
+                run = plan.peer.run(method, workloads[workload][prompt], settings[setting], plan.eos_ids,
+                                    seed + index, plan.generate_kwargs["max_new_tokens"], tokenizer, **where)
+                runs.append(run)
+                new_ids[method] = torch.tensor(run.new_ids)
+                bar.update()
+                continue
             spec = plan.specs[method]
             try:
                 with seeded(seed + index, device):  # the same seed for every method
@@ -301,6 +294,10 @@ def _interleaved_runs(plan: _Plan, workloads: dict, settings: dict, repeats: int
         if not do_sample:
             for run in runs[-len(methods):]:  # against target-only decoding of its own target where it ran
                 if run.error is not None:
+                    continue
+                if run.method in plan.peer_methods:  # other weights and kernels: against the peer's target alone
+                    if run.method != plan.peer.reference(run.method):
+                        run.identical_to_target_only = run.new_ids == new_ids[plan.peer.reference(run.method)].tolist()
                     continue
                 reference = new_ids.get("target_only" + plan.pair_of[run.method], new_ids["target_only"])
                 if run.method in KERNEL_BASELINES:  # the same weights on other kernels: against the main path

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+
 from hf_spec.bench.first_call import format_first_calls, run_first_calls
 from hf_spec.bench.methods import DEFAULT_METHODS, METHODS, SETTINGS, method_spec, runs_on
+from hf_spec.bench.peers import OpenVINOPeer
 from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import run_benchmark
 from hf_spec.bench.variants import KERNEL_LABELS, bench_variants
@@ -97,7 +100,22 @@ def add_parser(commands) -> None:
                         help="time each method's first call in a fresh process instead (one subprocess per method and "
                              "prompt; loading not timed): 'shared' keeps probed costs between processes as a user's "
                              "machine does, 'fresh' starts every process without them (hf_spec's first run)")
+    parser.add_argument("--openvino", nargs="+", default=[], type=openvino_pair, metavar="LABEL=TARGET[,DRAFT]",
+                        help="also run OpenVINO GenAI on these folders exported by `optimum-cli export openvino`: "
+                             "openvino_<LABEL> (the target alone) and openvino_<LABEL>_k<k> (with the draft), "
+                             "interleaved with the other methods (needs --openvino-python)")
+    parser.add_argument("--openvino-python", metavar="PYTHON", default=None,
+                        help="the Python of an environment with openvino-genai (docs/benchmark.md)")
     parser.set_defaults(run=run)
+
+
+def openvino_pair(text: str) -> tuple[str, tuple[str, str | None]]:
+    """``LABEL=TARGET[,DRAFT]`` -> (label, (target folder, draft folder or None))."""
+    label, _, folders = text.partition("=")
+    target, _, draft = folders.partition(",")
+    if not label or not target or not label.replace("-", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"must be LABEL=TARGET_FOLDER[,DRAFT_FOLDER] with a plain label, got {text}")
+    return label, (target, draft or None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--min-new-tokens {args.min_new_tokens}: more than --max-new-tokens {args.max_new_tokens}.")
     if not args.no_plot:
         require("matplotlib", "cli", "hf-spec bench's plot (or pass --no-plot)")
+    if bool(args.openvino) != bool(args.openvino_python):
+        raise ValueError("--openvino and --openvino-python go together: the folders to run, and the Python that has "
+                         f"openvino-genai (got --openvino {args.openvino} --openvino-python {args.openvino_python}).")
+    peer = None if not args.openvino else OpenVINOPeer(args.openvino_python, dict(args.openvino),
+                                                       args.threads or torch.get_num_threads())
     pair = load_models(args)
     workloads = tuple(dict.fromkeys(args.workloads))
     if args.target == TINY:
@@ -135,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         pair.target, pair.draft, inputs, settings=bench_settings(args.settings, args.min_new_tokens),
         methods=methods, variants=variants, num_draft_tokens=args.num_assistant_tokens,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, progress=not args.no_progress,
-        tokenizer=pair.tokenizer, profile=args.profile, draft_tokenizer=pair.draft_tokenizer,
+        tokenizer=pair.tokenizer, profile=args.profile, draft_tokenizer=pair.draft_tokenizer, peer=peer,
     )
     report["config"].update(target=args.target, draft=args.draft, offset=args.offset,
                             draft_quantization=args.quantize_draft,
@@ -153,7 +176,7 @@ def run_first(args: argparse.Namespace) -> int:
     unused = {"--variants": args.variants, "--draft-variants": args.draft_variants,
               "--draft-vocab-variants": args.draft_vocab_variants, "--min-new-tokens": args.min_new_tokens,
               "--quantize": args.quantize, "--quantize-draft": args.quantize_draft, "--draft-vocab": args.draft_vocab,
-              "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1}
+              "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1, "--openvino": args.openvino}
     given = [name for name, value in unused.items() if value]
     if given:
         raise ValueError(f"--first-call times one call per process of the main pair as load_pair loads it; it does "
