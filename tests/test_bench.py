@@ -313,11 +313,12 @@ def test_the_library_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
         matplotlib.use(previous)
 
 
-def test_token_methods_run_hf_spec_chains_with_the_token_wise_rule():
+def test_token_methods_run_hf_spec_chains_and_trees_with_the_token_wise_rule():
     assert method_spec("hf_spec_k3_token", 5).generate_kwargs == {"num_assistant_tokens": 3, "verification": "token"}
     assert method_spec("hf_spec_auto_static_token", 5).generate_kwargs["verification"] == "token"
-    for method in ("transformers_token", "hf_spec_tree8_token", "target_only_token"):
-        with pytest.raises(ValueError, match="'_token' selects the token-wise acceptance rule"):
+    assert method_spec("hf_spec_tree8_token", 5).generate_kwargs["verification"] == "token"
+    for method in ("transformers_token", "target_only_token"):
+        with pytest.raises(ValueError, match="'_token' selects the token-wise"):
             method_spec(method, 5)
 
 

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from hf_spec.rejection import block_laws, children_of
+from hf_spec.evaluation.exactness import expected_tree_depths
+from hf_spec.rejection import accept_tree, block_laws, children_of
 from hf_spec.traversal import Stop, accept_traversal, traversal_stops
 
 VOCAB = 3
@@ -187,34 +188,17 @@ def test_on_a_chain_traversal_is_block_verification():
         assert torch.allclose(stop.law, residuals[0, i] / residuals[0, i].sum(), atol=1e-12)
 
 
-def _expected_depth_node_by_node(tokens, parents, laws, target, node=-1, residual=None) -> float:
-    """`accept_tree`'s expected accepted depth below ``node``, exactly: child j is reached when the earlier ones
-    were rejected, kept with min(1, r(x_j) / q_j(x_j)), r then its residual."""
-    residual = target[node + 1] if residual is None else residual
-    expected, reach = 0.0, 1.0
-    for child in [c for c, parent in enumerate(parents) if parent == node]:
-        q, r = float(laws[child][tokens[child]]), float(residual[tokens[child]])
-        keep = min(1.0, r / q)
-        expected += reach * keep * (1 + _expected_depth_node_by_node(tokens, parents, laws, target, child))
-        reach *= 1 - keep
-        leftover = (residual - laws[child]).clamp_min(0)
-        residual = leftover / leftover.sum() if leftover.sum() > 0 else residual
-    return expected
-
-
 @pytest.mark.parametrize("shape", ["bushy", "two_chains", "chain_of_three"])
 def test_traversal_keeps_at_least_as_many_tokens_as_node_by_node(shape):
-    """Over every tree the draft can draw, weighted by its probability: the expected accepted depth, exactly."""
+    """Over every tree the draft can draw, weighted by its probability: the expected accepted depth, exactly
+    (`hf_spec.evaluation.exactness.expected_tree_depths`, checked against sampling below)."""
     expected = {"traversal": 0.0, "node": 0.0}
     for weight, nodes in _trees(SHAPES[shape], "without_replacement"):
         tokens, parents, laws, prefixes = _flatten(nodes)
         target = torch.stack([P[()]] + [P[p] for p in prefixes])
-        passed = 1.0
-        for stop in traversal_stops(torch.tensor(tokens), parents, torch.stack(laws), target):
-            depth = 0 if stop.node < 0 else len(prefixes[stop.node])
-            expected["traversal"] += weight * passed * stop.chance * depth
-            passed *= 1 - stop.chance
-        expected["node"] += weight * _expected_depth_node_by_node(tokens, parents, laws, target)
+        node_by_node, traversal = expected_tree_depths(torch.tensor(tokens), parents, torch.stack(laws), target)
+        expected["traversal"] += weight * traversal
+        expected["node"] += weight * node_by_node
     print(shape, expected)
     assert expected["traversal"] > expected["node"] + 1e-3, expected
 
@@ -240,3 +224,15 @@ def test_accept_traversal_samples_its_stops():
     for key, probability in expected.items():
         error = 4 * (probability * (1 - probability) / draws) ** 0.5 + 1e-9
         assert abs(counts.get(key, 0) / draws - probability) < error, (key, probability)
+
+
+def test_expected_depths_match_each_rules_sampled_depth():
+    """The exact expectations of `expected_tree_depths` against 20,000 draws of each rule on one tree."""
+    tokens, parents = torch.tensor([0, 2, 1, 1, 0]), [-1, 0, -1, 2, 0]
+    laws = torch.stack([Q[()], Q[(0,)], Q[()], Q[(1,)], Q[(0,)]])
+    target = torch.stack([P[()], P[(0,)], P[(0, 2)], P[(1,)], P[(1, 1)], P[(0, 0)]])
+    expected = expected_tree_depths(tokens, parents, laws, target)
+    generator = torch.Generator().manual_seed(8)
+    for rule, exact in zip((accept_tree, accept_traversal), expected):
+        depths = [len(rule(tokens, parents, laws, target, generator)[0]) for _ in range(20_000)]
+        assert abs(sum(depths) / len(depths) - exact) < 4 * (1 / len(depths)) ** 0.5, (rule.__name__, exact)

@@ -21,8 +21,8 @@
   static cache with compiled passes (``compile_config``: inductor, ``fullgraph=False``, ``dynamic=False``, on every
   device; the warm-up then runs every timed call once at the full length, so that the graphs of every pass width
   compile before the timed calls: its time, in the report's ``warmup_seconds``, is the compile time);
-- ``<method>_token``: any of hf_spec's chain methods with the token-wise acceptance rule (``verification="token"``;
-  block verification is the default), to measure what block verification gains.
+- ``<method>_token``: any of hf_spec's methods with the token-wise (node-by-node on trees) acceptance rule
+  (``verification="token"``; block and traversal verification are the defaults), to measure what those gain.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     rule = _RULE.fullmatch(method)
     if rule:
         base = method_spec(rule.group(1), k)
-        if not base.is_ours or "num_tree_nodes" in base.generate_kwargs:
-            raise ValueError(f"Method {method!r}: '_token' selects the token-wise acceptance rule of hf_spec's sampled "
-                             "chains (block verification is the default), not of transformers' methods or trees.")
+        if not base.is_ours:
+            raise ValueError(f"Method {method!r}: '_token' selects the token-wise (node-by-node) acceptance rule of "
+                             "hf_spec's sampled chains and trees (block and traversal verification are the "
+                             "defaults), not of transformers' methods.")
         return dataclasses.replace(base, generate_kwargs={**base.generate_kwargs, "verification": "token"})
     cache = _CACHE.fullmatch(method)
     if cache:
@@ -118,7 +119,7 @@ def method_spec(method: str, num_draft_tokens: int) -> MethodSpec:
     if method not in specs:
         raise ValueError(f"Unknown method {method!r}; choose from {METHODS}, 'hf_spec_k<N>', 'hf_spec_tree<N>', "
                          "'hf_spec_suffix<N>', 'hf_spec_tree_auto' or 'hf_spec_suffix_auto', each optionally with "
-                         "'_static' or '_compiled', and hf_spec's chains with '_token'.")
+                         "'_static' or '_compiled', and hf_spec's methods with '_token'.")
     return specs[method]
 
 

@@ -94,16 +94,17 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
             "failed_calls": failed[(workload, setting, method)],
             "new_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "acceptance_rate": sum(run.accepted or 0 for run in group) / proposed if proposed else None,
-            "tokens_per_target_pass": tokens / max(1, sum(run.target_passes for run in group)),
+            "tokens_per_target_pass": _per_pass(tokens, sum(run.target_passes for run in group)),
             "latency_p50_seconds": float(np.percentile(latencies, 50)),
             "latency_p90_seconds": float(np.percentile(latencies, 90)),
-            "weights_bytes": weights["target" + variant] + (
-                weights["draft" + variant] if any(run.draft_passes for run in group) else 0),
+            "weights_bytes": None if not any(run.target_passes for run in group) else  # a peer: not counted here
+            weights["target" + variant] + (weights["draft" + variant] if any(run.draft_passes for run in group) else 0),
             "working_memory_bytes": max(memory) if memory else None,
             "identical_to_target_only": sum(identical) / len(identical) if identical else None,
         })
         row = rows[-1]
-        row["peak_memory_bytes"] = row["weights_bytes"] + (row["working_memory_bytes"] or 0)
+        row["peak_memory_bytes"] = None if row["weights_bytes"] is None else (
+            row["weights_bytes"] + (row["working_memory_bytes"] or 0))
     by_key = {(row["workload"], row["setting"], row["method"]): row for row in rows}
     for row in rows:
         key = (row["workload"], row["setting"])
@@ -140,6 +141,11 @@ def _spread(groups: dict, keys: list[tuple[str, str]], method: str, baseline: st
     if not ratios:
         return dict.fromkeys(("speedup_median", "speedup_min", "speedup_max"))
     return {"speedup_median": float(np.median(ratios)), "speedup_min": min(ratios), "speedup_max": max(ratios)}
+
+
+def _per_pass(tokens: int, passes: int) -> float | None:
+    """Tokens per target pass; ``None`` where no pass was counted (a peer outside this process)."""
+    return tokens / passes if passes else None
 
 
 def _modelled(group: list[Run], table: CostTable | None) -> float | None:
@@ -202,11 +208,12 @@ def format_table(report: dict) -> str:
             f"| {row['workload']} | {row['setting']} | {row['method']} | {row['tokens_per_second']:.2f} "
             f"| {row['speedup_vs_target_only']:.2f}x | {spread} {own}"
             f"| {number(row['speedup_vs_transformers'], '.2f', 'x')} "
-            f"| {number(row['acceptance_rate'], '.2f')} | {row['tokens_per_target_pass']:.2f} "
+            f"| {number(row['acceptance_rate'], '.2f')} | {number(row['tokens_per_target_pass'], '.2f')} "
             f"| {number(modelled, '.2f', 'x')} "
             f"| {number(None if not modelled else row['speedup_vs_target_only'] / modelled, '.0%')} "
             f"| {number(row['share_of_predicted_block_cost'], '.0%')} | {row['latency_p50_seconds']:.1f} "
-            f"| {row['latency_p90_seconds']:.1f} | {row['peak_memory_bytes'] / 2**20:.0f} "
+            f"| {row['latency_p90_seconds']:.1f} "
+            f"| {number(row['peak_memory_bytes'] and row['peak_memory_bytes'] / 2**20, '.0f')} "
             f"| {number(row['identical_to_target_only'], '.0%')} |"
         )
     failures = [run for run in report.get("runs", []) if run.get("error")]
@@ -262,7 +269,8 @@ def plot(report: dict, path: str) -> None:
         rows_of = [by_key.get((*key, method)) for key in groups]  # None where every call of the method raised
         speed.bar(xs, [float("nan") if row is None else row["speedup_vs_target_only"] for row in rows_of], width,
                   label=method)
-        passes.bar(xs, [float("nan") if row is None else row["tokens_per_target_pass"] for row in rows_of], width,
+        passes.bar(xs, [float("nan") if row is None or row["tokens_per_target_pass"] is None
+                        else row["tokens_per_target_pass"] for row in rows_of], width,
                    label=method)
         predicted = [None if row is None else row["predicted_speedup_block_cost"] for row in rows_of]
         if any(value is not None for value in predicted):

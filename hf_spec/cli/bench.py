@@ -65,7 +65,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=_method,
                         help=f"from {', '.join(METHODS)}, or hf_spec_k<N> (ours with k = N), hf_spec_tree<N> (a "
                              "tree of N draft tokens, k deep), hf_spec_suffix<N> (suffix matching, N tokens), "
-                             "hf_spec_tree_auto / hf_spec_suffix_auto (num_tree_nodes='auto'); <method>_token: a chain "
+                             "hf_spec_tree_auto / hf_spec_suffix_auto (num_tree_nodes='auto'); <method>_token: ours "
                              "with the token-wise acceptance rule; target_only always runs")
     parser.add_argument("--variants", nargs="+", default=[], choices=SCHEMES,
                         help="also run every method on the target quantized with each scheme (<method>@<scheme>)")

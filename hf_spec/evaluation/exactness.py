@@ -19,6 +19,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from hf_spec.compat import decoding_chain
 from hf_spec.extras import require
 from hf_spec.forward import input_names
+from hf_spec.traversal import traversal_stops
 
 #: Significance level: a correct sampler fails a test with probability 1e-4; a broken one must fail every time.
 ALPHA = 1e-4
@@ -90,3 +91,31 @@ def exact_law(model: PreTrainedModel, settings: dict, prompt: torch.Tensor, num_
         probs[live] = chain(ids, logits).softmax(-1).double().cpu().numpy()
         path_probs = (path_probs.reshape(-1, 1) * probs).reshape(-1)
     return path_probs.reshape([vocab_size] * num_tokens)
+
+
+def expected_tree_depths(token_ids: torch.Tensor, parents: list[int], draft_probs: torch.Tensor,
+                         target_probs: torch.Tensor) -> tuple[float, float]:
+    """``(node by node, traversal)``: the expected accepted depth of one tree under each sampled tree rule, exactly
+    (`hf_spec.rejection.accept_tree`, `hf_spec.traversal.accept_traversal`; arguments as theirs)."""
+    tokens, depths = token_ids.tolist(), [0] * len(parents)
+    for node, parent in enumerate(parents):
+        depths[node] = 1 if parent < 0 else depths[parent] + 1
+
+    def node_by_node(node: int, residual: torch.Tensor) -> float:
+        # child j is reached when the earlier ones were rejected and kept with min(1, r(x_j) / q_j(x_j))
+        expected, reach = 0.0, 1.0
+        for child in [c for c, parent in enumerate(parents) if parent == node]:
+            law = draft_probs[child].double()
+            q, r = float(law[tokens[child]]), float(residual[tokens[child]])
+            keep = min(1.0, r / q) if q > 0 else 0.0
+            expected += reach * keep * (1 + node_by_node(child, target_probs[child + 1].double()))
+            reach *= 1 - keep
+            leftover = (residual - law).clamp_min(0)
+            residual = leftover / leftover.sum() if leftover.sum() > 0 else residual
+        return expected
+
+    traversal, passed = 0.0, 1.0
+    for stop in traversal_stops(token_ids, parents, draft_probs, target_probs):
+        traversal += passed * stop.chance * (0 if stop.node < 0 else depths[stop.node])
+        passed *= 1 - stop.chance
+    return node_by_node(-1, target_probs[0].double()), traversal
