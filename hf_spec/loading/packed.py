@@ -84,8 +84,7 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
             (`DRAFT_ROUND`: steps, a catch-up and a share of a prefill); ``"steps"`` the step alone.
         widths: tokens per timed pass, at most `PREFIX_LENGTH` (default: 1, 2, 4, 6, 8 for a target, the widths of
             `DRAFT_ROUND` for a draft, 1 and 2 for steps; a draft's must include them).
-        repeats: timed passes per width and candidate (about: the candidates are timed in two halves, dense, packed,
-            packed, dense, of ``repeats // 2 + 1`` passes each; each half's median, the quicker half kept).
+        repeats: timed passes per width and candidate (the median is kept).
     """
     if path not in ("auto", *PATHS):
         raise ValueError(f"`path` must be 'auto' or one of {PATHS}, but is {path!r}.")
@@ -102,9 +101,8 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
     if refusal:
         return _keep(model, CpuPath("stock", 0, reason=refusal))
     seconds = {}
-    half = repeats // 2 + 1  # repeats of each half of the dense, packed, packed, dense order
     if path == "auto":
-        dense = time_passes(model, widths, half)
+        dense = time_passes(model, widths, repeats)
         seconds["stock"], seconds["dense"] = dense[True], _fastest(dense)
     if path in ("auto", "packed"):
         if not _pack(model):
@@ -114,15 +112,11 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
             return _keep(model, dispatching(model, CpuPath("dense", _aten_rows(dense), seconds, reason)))
         if path == "packed":
             return _keep(model, dispatching(model, CpuPath("packed", 1)))
-        # Timed in the order dense, packed, packed, dense, each width's quicker half kept: a slow phase of a shared
-        # machine, or a drift, then weighs on both paths alike instead of deciding between them.
-        packed = _quicker(time_passes(model, widths, half), time_passes(model, widths, half))
-        _unpack(model)
-        dense = _quicker(dense, time_passes(model, widths, half))
-        seconds = {"stock": dense[True], "dense": _fastest(dense), "packed": _fastest(packed)}
+        packed = time_passes(model, widths, repeats)
+        seconds["packed"] = _fastest(packed)
         if _score(seconds["packed"], role) < _score(seconds["dense"], role):
-            _pack(model)
             return _keep(model, dispatching(model, CpuPath("packed", _aten_rows(packed), seconds)))
+        _unpack(model)
         return _keep(model, dispatching(model, CpuPath("dense", _aten_rows(dense), seconds)))
     if path == "dense":
         return _keep(model, dispatching(model, CpuPath("dense", 1)))
@@ -235,12 +229,6 @@ def time_passes(model: PreTrainedModel, widths: list[int], repeats: int) -> dict
         ONEDNN_SWITCH.release()
     return {mode: {width: float(np.median(values)) for width, values in by_width.items()}
             for mode, by_width in seconds.items()}
-
-
-def _quicker(first: dict[bool, dict[int, float]], second: dict[bool, dict[int, float]]) -> dict[bool, dict[int, float]]:
-    """Per oneDNN mode and width, the quicker of two timings of the same path."""
-    return {mode: {width: min(value, second[mode][width]) for width, value in by_width.items()}
-            for mode, by_width in first.items()}
 
 
 def _fastest(by_mode: dict[bool, dict[int, float]]) -> dict[int, float]:
