@@ -13,8 +13,8 @@ shape is a strategy object, chosen once per call (`hf_spec.plan`):
   committed prefix and the accepted path's entries (`hf_spec.caches.keep_tree_path`), gathered, never recomputed. A
   round whose tree the sizer chose as a chain (or as nothing) runs as a chain round instead: the same tokens and
   laws, but causal passes with no tree mask and one processor pass over the block; so is a drafted tree that came
-  out a chain (sampled, where the draft's nucleus holds one token), from its verify pass on. As trees they cost 3-5% more a round (AMX, edit
-  requests: the auto tree, which drafts 10-node chains there, ran 0.95x auto k).
+  out a chain (sampled, where the draft's nucleus holds one token), from its verify pass on: a chain verified as a
+  tree pays for the tree mask and a processor pass per node.
 
 Why trees are for one row: each row would need its own tree, 4D mask and gathered path, and the suffix and
 branching drafters grow one row's tree from host-side candidates. The loop's holes (`hf_spec.rows`) would carry the

@@ -102,12 +102,21 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
     assert main(argv) == 0
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(report_path.read_text())
-    assert set(report) == {"machine", "config", "weights_bytes", "costs", "cost_table", "results", "runs"}
+    assert set(report) == {"machine", "config", "weights_bytes", "costs", "cost_table", "results", "first_calls",
+                           "runs"}
     assert report["config"]["cpu_paths"]["target"]["name"] in ("stock", "dense", "packed")
+    # each method's first call, to the full length, timed apart and against target-only's first call
+    firsts = report["first_calls"]
+    assert set(firsts) == {"target_only", "transformers", "transformers_default", "hf_spec", "target_only@stock",
+                           "target_only@steps"}
+    assert firsts["target_only"]["speedup_vs_target_only"] == 1.0 and 0 < firsts["target_only"]["new_tokens"] <= 12
+    assert all(entry["seconds"] > 0 and entry["tokens_per_second"] > 0 and entry["setting"] == "greedy"
+               and entry["workload"] == "code" for entry in firsts.values())
     table = report["cost_table"]
     assert table["target_step_seconds"] > 0 and set(table["target_block_seconds"]) == {
         str(n) for n in (1, 2, 3, 4, 5, 6, 8, 10, 12)}  # up to k = 10, the sizes between interpolated
-    assert "| tokens in the target pass | ms | b |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tokens in the target pass | ms | b |" in out and "Each method's first call" in out
     assert {"cpu", "cpu_bf16_flags", "threads", "torch", "transformers", "date"} <= set(report["machine"])
     assert report["config"]["method_specs"]["transformers"]["assistant_settings"] == {
         "num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
@@ -259,7 +268,8 @@ def test_a_call_of_transformers_that_raises_is_reported_and_ours_stops_the_bench
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
         return original(spec, target, draft, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(hf_spec.bench.runner, "generate_once", generate_once)
+    monkeypatch.setattr(hf_spec.bench.runner, "generate_once", generate_once)  # the warm-up's
+    monkeypatch.setattr(hf_spec.bench.methods, "generate_once", generate_once)  # the timed calls'
     ours_fail = False
     report = run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},
                            methods=("target_only", "transformers", "hf_spec"), max_new_tokens=8, progress=False)
@@ -414,9 +424,10 @@ def test_the_formula_at_the_runs_own_costs_and_where_the_rest_goes():
 
 @pytest.mark.parametrize("forget", [False, True])
 def test_the_warm_up_makes_every_cost_probe_the_timed_calls_use(tmp_path, monkeypatch, forget):
-    """Auto k and auto trees probe the costs of passes sized by ``max_new_tokens``: the warm-up call runs with the
-    timed calls' ``max_new_tokens`` (stopped after a few tokens), so no timed call pays a probe (a tree's first timed
-    call once paid 11 s of probing). Control: probes forgotten after the warm-up are made again in a timed call."""
+    """Auto k and auto trees probe the costs of passes sized by ``max_new_tokens``: the warm-up call (the method's
+    first call, timed apart) runs with the timed calls' ``max_new_tokens``, so no timed call pays a probe (a tree's
+    first timed call once paid 11 s of probing). Control: probes forgotten after the warm-up are made again in a
+    timed call."""
     import hf_spec.drafting.costs as costs
 
     probes, timed = [], []

@@ -33,8 +33,7 @@ import re
 import time
 from collections.abc import Iterator
 
-import torch
-from transformers import CompileConfig, PreTrainedModel, StoppingCriteria
+from transformers import CompileConfig, PreTrainedModel
 
 from hf_spec.bench.measure import ForwardCounter, PeakMemory
 from hf_spec.bench.report import Run
@@ -153,16 +152,6 @@ def generate_once(spec: MethodSpec, target, draft, inputs: dict, generate_kwargs
         return output.sequences[0], getattr(output, "speculative_stats", None)
     with without_speculation(target), assistant_config(draft, **(spec.assistant_settings or {})):
         return target.generate(**kwargs)[0], None
-
-
-class StopAfter(StoppingCriteria):
-    """Stops every row once it holds ``length`` tokens (the warm-up: a short call at a long ``max_new_tokens``)."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.length, device=input_ids.device)
 
 
 def bench_compile_config() -> CompileConfig:

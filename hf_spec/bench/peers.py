@@ -96,6 +96,12 @@ class OpenVINOPeer:
                 pipelines[f"{label}_draft"] = {"target": target, "draft": draft}
         self.process.stdin.write(json.dumps({"pipelines": pipelines, "threads": self.threads}) + "\n")
 
+    def __enter__(self) -> OpenVINOPeer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.process is not None:
             self.process.stdin.close()

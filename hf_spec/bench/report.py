@@ -180,6 +180,30 @@ def variant_suffix(method: str) -> str:
     return at + label
 
 
+def first_calls(warm: dict[str, dict], workload: str) -> dict[str, dict]:
+    """Each method's first call (`hf_spec.bench.runner`'s warm-up): seconds, tokens per second and the ratio to
+    target-only's first call on the same prompt."""
+    speed = {method: entry["first_tokens"] / entry["first_seconds"] if entry["first_tokens"] else None
+             for method, entry in warm.items()}
+    baseline = speed.get("target_only")
+    return {method: {"workload": workload, "setting": entry["setting"], "seconds": entry["first_seconds"],
+                     "new_tokens": entry["first_tokens"], "tokens_per_second": speed[method],
+                     "speedup_vs_target_only": speed[method] / baseline if speed[method] and baseline else None}
+            for method, entry in warm.items()}
+
+
+def _first_call_lines(firsts: dict | None) -> list[str]:
+    if not firsts:
+        return []
+    return ["", "Each method's first call (the first prompt and setting; a cost probe or a compile included; the "
+            "calls above come after it):", "", "| method | seconds | tok/s | vs target-only's first call |",
+            "|---|---|---|---|"] + [
+        f"| {method} | {entry['seconds']:.2f} | " + ("-" if entry["tokens_per_second"] is None else
+                                                    f"{entry['tokens_per_second']:.2f}")
+        + " | " + ("-" if entry["speedup_vs_target_only"] is None else f"{entry['speedup_vs_target_only']:.2f}x")
+        + " |" for method, entry in firsts.items()]
+
+
 def format_table(report: dict) -> str:
     """The results as a Markdown table."""
     def number(value, spec, unit=""):
@@ -216,6 +240,7 @@ def format_table(report: dict) -> str:
             f"| {number(row['peak_memory_bytes'] and row['peak_memory_bytes'] / 2**20, '.0f')} "
             f"| {number(row['identical_to_target_only'], '.0%')} |"
         )
+    lines += _first_call_lines(report.get("first_calls"))
     failures = [run for run in report.get("runs", []) if run.get("error")]
     if failures:
         lines += ["", "Calls that raised (left out of every figure above; `runs[].error` in the JSON):", ""]

@@ -1,11 +1,8 @@
 """`hf-spec bench`: target-only decoding, transformers' assisted generation and hf_spec, side by side.
 
 All methods (`hf_spec.bench.methods`) run in one process on the same weights, prompts and settings, interleaved prompt
-by prompt (their order rotates from one prompt to the next), after a warm-up call of each (4 tokens at the timed calls'
-``max_new_tokens``, so that auto k's and auto trees' cost probes are made there, not in a timed call; a compiled
-method's warm-up runs every timed call once, so that its graphs compile before the timing; the report gives that
-time, ``warmup_seconds``, and the graphs hf_spec still compiled during the timed calls,
-``graphs_compiled_while_timed``).
+by prompt (the order rotates), after each method's first call, reported apart (``first_calls``, `_warm_up`: a cost
+probe or a compile shows there); graphs compiled during the timed calls are counted (``graphs_compiled_while_timed``).
 
 Workloads: ``code`` (HumanEval prompts completed as text), ``prose`` (chat requests for prose), ``edit`` (chat requests
 to add type hints to a given HumanEval solution: the answer copies much of the input). Sampled runs of one prompt
@@ -26,6 +23,7 @@ interleaved with the rest. Its speed-up is reported against the first target's `
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -33,19 +31,19 @@ import time
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers import PreTrainedModel
 
 from hf_spec.bench.measure import machine_info, weight_bytes
-from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, StopAfter, bench_compile_config,
+from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, bench_compile_config,
                                    generate_once, method_spec, run_one)
 from hf_spec.bench.peers import OpenVINOPeer
-from hf_spec.bench.report import KERNEL_BASELINES, Run, summarize, variant_suffix
+from hf_spec.bench.report import KERNEL_BASELINES, Run, first_calls, summarize, variant_suffix
 from hf_spec.checks import check_int
 from hf_spec.compiled import compiled_forward
 from hf_spec.drafting.base import Drafter
 from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
 from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
-from hf_spec.evaluation.continuations import seeded
+from hf_spec.evaluation.continuations import count_new_tokens, seeded
 from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
@@ -53,7 +51,6 @@ from hf_spec.mixin import speculative
 from hf_spec.plan import chain_draft_widths, cross_tokenizer_drafter, make_drafter
 
 logger = logging.getLogger(__name__)
-WARM_UP_TOKENS = 4  # tokens of each method's warm-up call (`_warm_up`)
 
 
 def run_benchmark(
@@ -93,44 +90,36 @@ def run_benchmark(
         peer: OpenVINO GenAI in its own environment (`hf_spec.bench.peers`): its methods run interleaved too.
     """
     settings = SETTINGS if settings is None else settings
-    for name, value in (("num_draft_tokens", num_draft_tokens), ("max_new_tokens", max_new_tokens),
-                        ("repeats", repeats)):
-        check_int(name, value)
+    check_int("num_draft_tokens", num_draft_tokens), check_int("max_new_tokens", max_new_tokens)
+    check_int("repeats", repeats)
     for name, prompts in workloads.items():
         if not prompts:
             raise ValueError(f"Workload {name!r} has no prompts.")
-    plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids)
-    plan.peer, plan.peer_methods = peer, tuple(peer.methods(num_draft_tokens)) if peer else ()
+    plan = _Plan.make(target, draft, methods, variants or {}, num_draft_tokens, max_new_tokens, eos_ids, peer)
     methods = (*methods, *plan.peer_methods)
     if draft_tokenizer is not None:
         plan.draft_kwargs = {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
-        # transformers' sampled universal assisted generation rewires its draft's embeddings for good, and its greedy
-        # path then fails on that draft: one copy for its greedy calls, one for its sampled calls
+        # transformers' sampled universal assisted generation rewires its draft for good: a copy per mode
         plan.transformers_drafts = {False: copy.deepcopy(draft), True: copy.deepcopy(draft)}
 
-    warmup_seconds = _warm_up(plan, workloads, settings, max_new_tokens)
+    warm = _warm_up(plan, workloads, settings, max_new_tokens)
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
     costs = {name + suffix: measure_costs(plan.pairs[suffix][0], plan.drafter(plan.pairs[suffix][1]),
                                           prompts[0]["input_ids"], [k + 1 for k in fixed_ks])
              for suffix in dict.fromkeys(plan.pair_of[m] for m, spec in plan.specs.items() if spec.uses_draft)
              for name, prompts in workloads.items()}
-    largest = max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1
     drafter = plan.drafter(plan.pairs[""][1])
-    cost_table = probe_costs(plan.pairs[""][0], drafter, probe_sizes(largest), draft_widths=chain_draft_widths(drafter))
+    cost_table = probe_costs(plan.pairs[""][0], drafter, probe_sizes(max(DEFAULT_MAX_DRAFT_TOKENS, *fixed_ks) + 1),
+                             draft_widths=chain_draft_widths(drafter))
     profile = plan.pairs[""][0].device.type == "cpu" if profile is None else profile
     graphs_before = _compiled_graphs(plan)
-    try:
+    with peer or contextlib.nullcontext():  # the peer's process ends with the runs
         runs = _interleaved_runs(plan, workloads, settings, repeats, seed, progress, tokenizer, profile)
-    finally:
-        if peer is not None:
-            peer.close()
     graphs_while_timed = {method: count - graphs_before[method] for method, count in _compiled_graphs(plan).items()}
 
-    weights = {}
-    for suffix, (variant_target, variant_draft) in plan.pairs.items():
-        weights["target" + suffix] = weight_bytes(variant_target)
-        weights["draft" + suffix] = weight_bytes(variant_draft)
+    weights = {role + suffix: weight_bytes(model) for suffix, models in plan.pairs.items()
+               for role, model in zip(("target", "draft"), models, strict=True)}
     target, draft = plan.pairs[""]
     return {
         "machine": machine_info(),
@@ -144,7 +133,7 @@ def run_benchmark(
             "variants": {label: {"target": _describe(plan.pairs[f"@{label}"][0], target),
                                  "draft": _describe(plan.pairs[f"@{label}"][1], draft)} for label in variants or {}},
             "method_specs": {method: {**dataclasses.asdict(spec)} for method, spec in plan.specs.items()},
-            "warmup_seconds": warmup_seconds,
+            "warmup_seconds": {method: entry["seconds"] for method, entry in warm.items()},
             "graphs_compiled_while_timed": graphs_while_timed,
         },
         "weights_bytes": weights,
@@ -155,6 +144,7 @@ def run_benchmark(
                   for name, c in costs.items()},
         "results": summarize(runs, list(methods), costs, {**dict.fromkeys(plan.peer_methods), **{
             m: s.fixed_num_draft_tokens for m, s in plan.specs.items()}}, weights, cost_table),
+        "first_calls": first_calls(warm, next(iter(workloads))),
         "runs": [dataclasses.asdict(run) for run in runs],
     }
 
@@ -175,7 +165,7 @@ class _Plan:
     peer_methods: tuple[str, ...] = ()
 
     @classmethod
-    def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids) -> _Plan:
+    def make(cls, target, draft, methods, variants, num_draft_tokens, max_new_tokens, eos_ids, peer=None) -> _Plan:
         if not methods or "target_only" not in methods:
             raise ValueError(f"`methods` must include 'target_only' (every ratio is relative to it), got {methods!r}.")
         pairs = {"": (speculative(target), draft)}
@@ -192,7 +182,8 @@ class _Plan:
         eos_ids = eos_token_ids(target) if eos_ids is None else set(eos_ids)
         pad = target.generation_config.pad_token_id
         pad = min(eos_ids) if pad is None and eos_ids else pad
-        return cls(pairs, specs, pair_of, {"max_new_tokens": max_new_tokens, "pad_token_id": pad}, eos_ids)
+        return cls(pairs, specs, pair_of, {"max_new_tokens": max_new_tokens, "pad_token_id": pad}, eos_ids, peer=peer,
+                   peer_methods=tuple(peer.methods(num_draft_tokens)) if peer else ())
 
     def pair(self, method: str, do_sample: bool = False) -> tuple[PreTrainedModel, PreTrainedModel]:
         target, draft = self.pairs[self.pair_of[method]]
@@ -207,38 +198,44 @@ class _Plan:
         return make_drafter(draft)
 
 
-def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) -> dict[str, float]:
-    """Seconds of each method's warm-up: a call on the first prompt with the timed calls' ``max_new_tokens``, stopped
-    after 4 tokens by a criterion (so an automatic size makes here the cost probe its timed calls use: its sizes
-    follow ``max_new_tokens``); a compiled method runs every prompt of every setting to the full length instead, so
-    that each pass width the timed calls meet compiles here (this is the compile time); transformers' methods on
-    copies of a draft of another tokenizer warm up greedy and sampled."""
-    greedy_and_sampled = [{}] + [setting for setting in settings.values() if setting.get("do_sample")][:1]
-    every_call = [(prompt, setting) for prompts in workloads.values() for prompt in prompts
-                  for setting in settings.values()]
-    first = next(iter(workloads.values()))[0]
-    seconds = {}
+def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) -> dict[str, dict]:
+    """Each method's first call, timed: the first prompt and setting, to the full ``max_new_tokens``, after one
+    untimed target step (the process's own first-use costs land on no method). A compiled method then runs every
+    other prompt and setting once (each pass width compiles here); transformers' methods on copies of a draft of
+    another tokenizer warm up greedy and sampled. Per method: ``seconds`` (all), ``first_seconds``, ``first_tokens``."""
+    first, (setting_name, first_setting) = next(iter(workloads.values()))[0], next(iter(settings.items()))
+    generate_once(method_spec("target_only", 1), *plan.pairs[""], first, {**plan.generate_kwargs, "max_new_tokens": 1})
+    warm = {}
     for method, spec in plan.specs.items():
-        started = time.perf_counter()
+        calls = [(first, first_setting)]
         if spec.is_compiled:
-            calls = [(prompt, {**setting, "max_new_tokens": max_new_tokens}) for prompt, setting in every_call]
+            calls += [(prompt, setting) for prompts in workloads.values() for prompt in prompts
+                      for setting in settings.values() if prompt is not first or setting is not first_setting]
         elif plan.transformers_drafts and not spec.is_ours:
-            calls = [(first, {**setting, "max_new_tokens": 4}) for setting in greedy_and_sampled]
-        else:
-            stop = StoppingCriteriaList([StopAfter(first["input_ids"].shape[1] + WARM_UP_TOKENS)])
-            calls = [(first, {"max_new_tokens": max_new_tokens, "stopping_criteria": stop})]
-        for prompt, setting in calls:
+            calls += [(first, setting) for setting in ({"do_sample": False}, *settings.values())  # the other mode
+                      if bool(setting.get("do_sample")) != bool(first_setting.get("do_sample"))][:1]
+        started, tokens = time.perf_counter(), None
+        for index, (prompt, setting) in enumerate(calls):
             try:
-                generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
-                              {**plan.generate_kwargs, **setting}, draft_kwargs=plan.draft_kwargs)
+                sequence, _ = generate_once(spec, *plan.pair(method, bool(setting.get("do_sample"))), prompt,
+                                            {**plan.generate_kwargs, **setting}, draft_kwargs=plan.draft_kwargs)
             except Exception as error:  # transformers' own assisted generation: its timed calls record the error
                 if spec.is_ours or not spec.uses_draft:
                     raise
                 logger.warning(f"{method} raised in its warm-up: {type(error).__name__}: {error}")
-        seconds[method] = time.perf_counter() - started
-    for method in plan.peer_methods:  # builds and compiles the pipeline
-        seconds[method] = plan.peer.generate(method, first["input_ids"], {}, plan.eos_ids, 0, WARM_UP_TOKENS)[0]
-    return seconds
+                sequence = None
+            if index == 0:
+                first_seconds = time.perf_counter() - started
+                tokens = None if sequence is None else count_new_tokens(
+                    sequence[prompt["input_ids"].shape[1]:], plan.eos_ids)
+        warm[method] = {"seconds": time.perf_counter() - started, "first_seconds": first_seconds,
+                        "first_tokens": tokens, "setting": setting_name}
+    for method in plan.peer_methods:  # its first call builds and compiles the pipeline
+        run = plan.peer.run(method, first, first_setting, plan.eos_ids, 0, max_new_tokens, workload="", prompt=0,
+                            setting=setting_name, repeat=0)
+        warm[method] = {"seconds": run.seconds, "first_seconds": run.seconds, "first_tokens": run.new_tokens,
+                        "setting": setting_name}
+    return warm
 
 
 def _compiled_graphs(plan: _Plan) -> dict[str, int]:
