@@ -50,9 +50,6 @@ class OpenVINOPeer:
         return [name for label, (_, draft) in self.models.items()
                 for name in (f"openvino_{label}", *([f"openvino_{label}_k{num_draft_tokens}"] if draft else []))]
 
-    def owns(self, method: str) -> bool:
-        return method.startswith("openvino_")
-
     def reference(self, method: str) -> str:
         """The method whose greedy output this one's is compared with: the pair's own target-only."""
         return f"openvino_{_METHOD.fullmatch(method).group(1)}"
