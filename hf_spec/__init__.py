@@ -15,11 +15,11 @@ The acceptance rules' pure functions are in `hf_spec.rejection` and `hf_spec.tra
 from pathlib import Path
 
 from hf_spec.drafting.base import Drafter
-from hf_spec.drafting.draft_length import AutoDraftLength
 from hf_spec.drafting.tree import TreeDrafter
-from hf_spec.drafting.tree_size import AutoTreeSize
 from hf_spec.mixin import SpeculativeGenerationMixin, speculative, without_speculation
 from hf_spec.outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
+from hf_spec.sizing.draft_length import AutoDraftLength
+from hf_spec.sizing.tree_size import AutoTreeSize
 from hf_spec.stats import SpeculativeStats
 
 __version__ = "0.2.0"

@@ -4,14 +4,15 @@ What it does: for a target and a drafter that shares its tokenizer, each round d
 drafter's law q (a chain of k per row, or a tree), runs the target once over them to get p after every drafted token,
 keeps an accepted prefix (or path) plus one recovered or bonus token (`hf_spec.rejection`), stops exactly where
 target-only decoding would, and rolls both caches back (`hf_spec.caches`). The output law equals target-only sampling
-(or greedy decoding). The round's shape, chain or tree, is a strategy object (`hf_spec.rounds`) chosen once per call.
+(or greedy decoding). Each round is a `hf_spec.rounds.Round`, a chain or a tree, that carries its own verify, accept,
+learn and keep steps; the call's `hf_spec.rounds.Rounds` drafts it.
 
 Encoder-decoder targets (T5, BART, Whisper) run their encoder once per call, before this loop; the loop speculates
 their decoder (`hf_spec.conditioning`). What it does not do: beam search, several return sequences, caches that
 cannot be rolled back exactly; these are refused before the loop starts (`hf_spec.validation`, `hf_spec.caches`).
 Rows of a batch advance by different amounts: `hf_spec.rows` keeps their bookkeeping (and what sliding windows and
-recurrent states ask of it) out of this loop, `hf_spec.recording` keeps scores, logits, the streamer and timings, and
-the sizers in `hf_spec.drafting` choose each round's size.
+recurrent states ask of it) out of this loop, `hf_spec.recording` keeps scores, logits, the streamer, the statistics
+and each round's clock, and the sizers in `hf_spec.sizing` choose each round's size.
 """
 
 from __future__ import annotations
@@ -25,15 +26,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_spec.caches import crop_to, move_columns, select_rows
 from hf_spec.conditioning import Conditioning
-from hf_spec.drafting.base import DraftContext, Drafter
-from hf_spec.forward import has_invalid_values, model_column_rules
-from hf_spec.profiling import RoundClock, profiled_call
-from hf_spec.recording import OutputRecorder, RoundTimer
+from hf_spec.forward import model_column_rules
+from hf_spec.recording import SpeculativeStats, recorded_call
 from hf_spec.rounds import Rounds
 from hf_spec.rows import RaggedBatch, Rollback
-from hf_spec.stats import SpeculativeStats
 
 
 @dataclasses.dataclass
@@ -79,68 +76,61 @@ def speculative_decode(
         conditioning: what the models read beside the tokens (`hf_spec.conditioning`): an encoder's outputs (attached
             to ``target_cache`` already), the prompt's images (in ``target_cache`` already); the drafter gets it too.
     """
-    stats = SpeculativeStats(verification=rounds.rule(generation_config.do_sample))
-    recorder = OutputRecorder(generation_config, input_ids.shape[0], streamer)
-    context = DraftContext(logits_processor, target.config.get_text_config().vocab_size,
-                           generation_config.do_sample, generator, rounds.stop_below)
+    context = rounds.context(logits_processor, target.config.get_text_config().vocab_size,
+                             generation_config.do_sample, generator)
     rules = model_column_rules(target, target_cache) | rounds.drafter.column_rules()  # windows, recurrent states
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id, rules)
-    with _exclusive(rounds.drafter), profiled_call(target, input_ids.device) as profile:  # one call per drafter
-        rounds.start(batch, target_cache, conditioning or Conditioning())
+    with _exclusive(rounds.drafter), recorded_call(target, input_ids.device, generation_config, batch.batch_size,
+                                                   streamer, rounds.rule(generation_config.do_sample),
+                                                   rounds.is_timed) as record:  # one call per drafter
+        rounds.start(batch, target_cache, conditioning)
         try:
             while batch.num_active > 0:
-                timer, clock = RoundTimer(synchronize=rounds.is_timed), RoundClock(profile)  # clock: when profiled
+                log = record.start_round()  # the round's one clock
                 # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
                 tokens_left = max(0, generation_config.max_length - min(batch.active_lengths()) - 1)
 
                 # 1. Draft: a chain or a tree, each token drawn from the drafter's law q given its own prefix.
-                draft = rounds.draft(batch, tokens_left, context)
-                timer.mark_drafted(batch.model_ids.device)
-                clock.mark("drafting, other")
+                round_ = rounds.draft(batch, tokens_left, context)
+                log.mark("drafting, other")
 
                 # 2. Verify: one target pass gives p after every drafted token, each processed with its own prefix (and
                 #    the hidden states a draft head reads).
-                verified = rounds.verify(target, target_cache, batch, draft, logits_processor)
+                verified = round_.verify(target, target_cache, batch, logits_processor)
 
                 # 3. Accept a prefix (a path) of each row's draft, then one recovered or bonus token (with recurrent
                 #    states, every row keeps as many drafts as the row that accepted fewest: `hf_spec.rows`).
-                accepted = rounds.accept(draft, verified, context)
-                clock.mark("processors and acceptance")
-                num_accepted = batch.usable_counts(
-                    read_accepted(accepted.num_accepted, draft.is_invalid, accepted.logits, accepted.scores))
-                timer.mark_verified()
-                clock.mark("host sync")
+                accepted = round_.accept(verified, context)
+                log.mark("processors and acceptance")
+                num_accepted = batch.usable_counts(round_.read_counts(accepted))
+                log.mark("host sync")
 
                 # 4. Stop each row exactly where target-only decoding would: after its first token meeting a criterion.
                 num_kept, is_done = batch.count_until_stop(stopping_criteria, accepted.output_ids,
                                                            [n + 1 for n in num_accepted])
-                clock.mark("stopping")
-                recorder.record(batch.active_list, accepted.output_ids, accepted.scores, accepted.logits, num_kept)
-                num_drafted, depth = rounds.size(draft)
-                stats.record_round(num_drafted, num_accepted, num_kept, batch.active_list, batch.batch_size, depth)
-                rounds.learn(draft, accepted, num_accepted, timer.draft_seconds,
-                             None if stats.num_rounds == 1 else timer.verify_seconds)  # round 1 holds the prefill
+                log.mark("stopping")
+                record.record_round(batch.active_list, batch.batch_size, round_.num_drafted, round_.depth,
+                                    accepted.output_ids, accepted.scores, accepted.logits, num_accepted, num_kept)
+                round_.learn(accepted, num_accepted, log.draft_seconds,
+                             None if record.stats.num_rounds == 1 else log.verify_seconds)  # round 1: the prefill
 
                 # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the
                 #    model view's columns but its last; finished rows leave.
-                rounds.keep(target_cache, draft, verified, accepted)
-                rollback = batch.commit(accepted.output_ids, num_accepted, num_kept, is_done)
-                roll_back(target_cache, rounds.drafter, rollback)
-                stats.record_seconds(timer.draft_seconds, timer.seconds_since_drafted())
-                clock.mark("bookkeeping")
+                round_.keep(target_cache, verified, accepted)
+                rounds.roll_back(target_cache, batch.commit(accepted.output_ids, num_accepted, num_kept, is_done))
+                log.mark("bookkeeping")
+                record.finish_round(log)
         finally:
             # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
             # tree's nodes sit after the committed positions, so the crop drops them too).
-            roll_back(target_cache, rounds.drafter, Rollback(batch.model_ids.shape[1] - 1, None))
+            rounds.roll_back(target_cache, Rollback(batch.model_ids.shape[1] - 1, None))
 
-    if profile is not None:
-        stats.profile, stats.profile_passes = profile.seconds, profile.passes
-    scores, logits = recorder.finish()
+    scores, logits, stats = record.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
 
 
 @contextlib.contextmanager
-def _exclusive(drafter: Drafter) -> Iterator[None]:
+def _exclusive(drafter) -> Iterator[None]:
     """One call at a time per drafter: a `Drafter` instance keeps per-call state (caches, features), so a second
     call using it before the first ends is refused by name (a draft model or head gets a fresh drafter per call)."""
     with _IN_USE_LOCK:
@@ -158,39 +148,3 @@ def _exclusive(drafter: Drafter) -> Iterator[None]:
 
 _IN_USE: set[int] = set()
 _IN_USE_LOCK = threading.Lock()
-
-
-def read_accepted(num_accepted: torch.Tensor, is_draft_invalid: torch.Tensor, block_logits: torch.Tensor,
-                  block_scores: torch.Tensor) -> list[int]:
-    """The accepted counts on the host, read together with the numerical checks of both laws: host synchronization
-    1 of 2 per round (2: the stopping answers). Raises, naming the source, on NaN or infinite logits from either
-    model, or scores the processor chain left unusable (NaN, +inf, every token masked)."""
-    is_target_invalid = torch.stack([has_invalid_values(block_logits), has_invalid_values(block_scores)])  # [2]
-    *counts, draft_logits_bad, draft_scores_bad, target_logits_bad, target_scores_bad = torch.cat(
-        [num_accepted, is_draft_invalid, is_target_invalid]
-    ).tolist()
-    for is_bad, name in ((draft_logits_bad, "The assistant_model (draft)"), (target_logits_bad, "The target model")):
-        if is_bad:
-            raise ValueError(f"{name} produced NaN or infinite logits; no token can be sampled from them. Check its "
-                             "weights and dtype (float16 overflow is common).")
-    for is_bad, where in ((draft_scores_bad, "a drafted position"), (target_scores_bad, "a verified position")):
-        if is_bad:
-            raise ValueError(
-                f"The logits processor chain left no token to sample at {where}: its scores hold NaN or +inf, or "
-                "every token is masked (-inf). The models' own logits were finite. Check your `logits_processor` "
-                "and the settings that mask tokens (bad_words_ids, suppress_tokens, sequence_bias, top-k/top-p)."
-            )
-    return counts
-
-
-def roll_back(target_cache, drafter: Drafter, rollback: Rollback) -> None:
-    """Restore the cache invariant: the rows' moved columns (`hf_spec.rows`), at most ``num_cached`` positions (the
-    model view but its last column), then only ``staying_rows`` (indices into the rows the caches held) when given;
-    the drafter follows. The crop comes before the rows leave: a recurrent layer's recorded states hold every row."""
-    if rollback.moved is not None:
-        move_columns(target_cache, *rollback.moved)
-        drafter.move_columns(*rollback.moved)
-    crop_to(target_cache, rollback.num_cached)
-    if rollback.staying_rows is not None:
-        select_rows(target_cache, rollback.staying_rows)
-    drafter.roll_back(rollback.num_cached, rollback.staying_rows)

@@ -53,15 +53,7 @@ from hf_spec.conditioning import Conditioning, media_inputs, split_model_kwargs
 from hf_spec.decoding import speculative_decode
 from hf_spec.forward import prefill
 from hf_spec.outputs import generate_output
-from hf_spec.plan import (
-    VERIFICATIONS,
-    CallOptions,
-    check_tree_nodes,
-    plan_call,
-    sized_static_cache,
-    start_sizer,
-    user_settings,
-)
+from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, sized_static_cache, user_settings
 from hf_spec.rounds import Rounds
 from hf_spec.validation import (
     refuse_unsupported,
@@ -70,6 +62,7 @@ from hf_spec.validation import (
     validate_input_values,
     validate_sampling_settings,
 )
+from hf_spec.verification import resolve_verification
 from logits_processors import check_processors
 
 logger = logging.getLogger(__name__)
@@ -117,9 +110,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
             check_tree_nodes(num_tree_nodes)
             kwargs["num_tree_nodes"] = num_tree_nodes
         if verification is not None:
-            if verification not in VERIFICATIONS:
-                raise ValueError(f"`verification` must be one of {VERIFICATIONS}, but is {verification!r}.")
-            kwargs["verification"] = verification
+            kwargs["verification"] = resolve_verification(verification)
         if isinstance(kwargs.get("custom_generate"), str):  # transformers hands every argument to the recipe, which
             if generator is not None:  # calls this method again: hf_spec's own arguments go along with the rest
                 kwargs["generator"] = generator
@@ -195,7 +186,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
                                                                rounds, logits_processor, model_kwargs, conditioning)
         attach_inputs(target_cache, conditioning.every_pass)
         prefill(self, target_cache, input_ids, conditioning.decoder_mask, conditioning.prompt_only)
-        start_sizer(self, rounds, generation_config.max_length - input_ids.shape[1])
+        rounds.start_sizer(self, generation_config.max_length - input_ids.shape[1])
         with compiling([self, rounds.drafter.cost_key], compile_config_of(generation_config, target_cache)):
             result = speculative_decode(
                 self, rounds, input_ids, conditioning.decoder_mask, target_cache,

@@ -14,9 +14,9 @@
 
 The sizer: k from ``num_assistant_tokens`` (an integer, ``"auto"`` or an `AutoDraftLength`) for a chain; a node
 budget from ``num_tree_nodes`` (an integer, ``"auto"`` or an `AutoTreeSize`) for a tree, ``num_assistant_tokens``
-then capping its depth. Where each setting is read from, first found first: the ``generate()`` call, the
-``generation_config`` passed to it, the target's ``generation_config``, the draft's (`user_settings`). An automatic
-sizer starts from the probed costs (`start_sizer`).
+then capping its depth. The acceptance rules of sampled rounds from ``verification`` (`hf_spec.verification`). Where
+each setting is read from, first found first: the ``generate()`` call, the ``generation_config`` passed to it, the
+target's ``generation_config``, the draft's (`user_settings`).
 """
 
 from __future__ import annotations
@@ -30,25 +30,24 @@ from transformers import GenerationConfig, PreTrainedModel
 from hf_spec.caches import cache_length, new_cache, static_length
 from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.drafting.base import Drafter, DraftSource
-from hf_spec.drafting.costs import probe_costs, probe_sizes
 from hf_spec.drafting.cross_tokenizer import CrossTokenizerDrafter
-from hf_spec.drafting.draft_length import (
+from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
+from hf_spec.drafting.model import ModelDrafter
+from hf_spec.drafting.model_tree import ModelTreeDrafter
+from hf_spec.drafting.suffix import SuffixDrafter
+from hf_spec.drafting.tree import TreeDrafter
+from hf_spec.rounds import ChainRounds, Rounds, TreeRounds
+from hf_spec.settings import ASSISTANT_SETTINGS
+from hf_spec.sizing.draft_length import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
     AutoDraftLength,
     FixedDraftLength,
     HeuristicDraftLength,
 )
-from hf_spec.drafting.lookup import LookupThenModel, PromptLookupDrafter
-from hf_spec.drafting.model import ModelDrafter
-from hf_spec.drafting.model_tree import ModelTreeDrafter
-from hf_spec.drafting.online import OnlineSizer
-from hf_spec.drafting.suffix import SuffixDrafter
-from hf_spec.drafting.tree import TreeDrafter
-from hf_spec.drafting.tree_size import AutoTreeSize, FixedTreeSize
-from hf_spec.rounds import ChainRounds, Rounds, TreeRounds
-from hf_spec.settings import ASSISTANT_SETTINGS
+from hf_spec.sizing.tree_size import AutoTreeSize, FixedTreeSize
 from hf_spec.validation import is_other_vocabulary
+from hf_spec.verification import resolve_verification
 
 #: Suffix matching looks for longer matches than prompt lookup's default 2: they choose better continuations.
 SUFFIX_NGRAM_SIZE = 4
@@ -57,9 +56,6 @@ MIN_STATIC_CACHE = 256
 #: The settings hf_spec reads itself, beside transformers' merged generation config (whose assisted-generation
 #: fields hold transformers' global defaults when nobody set them).
 READ_SETTINGS = ("num_tree_nodes", "verification", *ASSISTANT_SETTINGS)
-#: The acceptance rules of sampled drafts: whole blocks and paths (the default; `hf_spec.rejection.accept_block` on a
-#: chain, `hf_spec.traversal.accept_traversal` on a tree), or token by token (node by node on a tree).
-VERIFICATIONS = ("block", "token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +94,7 @@ def plan_call(assistant_model: Any, generation_config: GenerationConfig, options
     schedule = settings.get("num_assistant_tokens_schedule")
     threshold = check_threshold(settings.get("assistant_confidence_threshold"))
     is_tree = num_tree_nodes is not None
+    verification = resolve_verification(settings.get("verification"))
     if is_other_vocabulary(*tokenizers):
         drafter = cross_tokenizer_drafter(assistant_model, tokenizers, is_tree, lookup_tokens)
     else:
@@ -109,9 +106,9 @@ def plan_call(assistant_model: Any, generation_config: GenerationConfig, options
                 raise ValueError(f"`{name}`={value!r} shapes a chain of drafts; with `num_tree_nodes` the tree's "
                                  "size comes from `num_tree_nodes` (an integer or 'auto'). Pass one of them.")
         return TreeRounds(drafter, resolve_tree_size(num_tree_nodes, num_assistant_tokens, lookup_tokens),
-                          settings.get("verification", "block"))
+                          verification)
     return ChainRounds(drafter, resolve_num_draft_tokens(num_assistant_tokens, lookup_tokens, schedule), threshold,
-                       settings.get("verification", "block"))
+                       verification)
 
 
 def make_drafter(assistant_model: Any, *, tree: bool = False, prompt_lookup_num_tokens: int | None = None,
@@ -154,28 +151,6 @@ def cross_tokenizer_drafter(assistant_model: Any, tokenizers: tuple[Any, Any], t
             raise ValueError(f"`{name}` with a draft of another tokenizer (`assistant_tokenizer`) is not supported: "
                              "its drafts are chains from the draft model alone.")
     return CrossTokenizerDrafter(assistant_model, *tokenizers)
-
-
-def chain_draft_widths(drafter: Drafter | None) -> tuple[int, ...]:
-    """The draft passes the probe times for auto k and auto trees: the step, and the 2-token catch-up where ``drafter``
-    reports it (`hf_spec.bench` probes chains with the same, so that its timed calls find the probe made)."""
-    return (1, 2) if drafter is not None and drafter.reports_catch_up else (1,)
-
-
-def start_sizer(target: PreTrainedModel, rounds: Rounds, max_new_tokens: int) -> None:
-    """An automatic sizer without costs starts from the probe's (once per process and models): target passes up to
-    the largest the call can use, and the drafter's step (a tree's drafter: its level width too)."""
-    sizer = rounds.sizer
-    if not isinstance(sizer, OnlineSizer) or sizer.has_costs:
-        return
-    if isinstance(rounds, TreeRounds):
-        largest = sizer.max_nodes + 1
-        widths = tuple(sorted({*chain_draft_widths(rounds.drafter), rounds.drafter.growth[1] or 1}))
-    else:
-        largest, widths = sizer.max_draft_tokens + 1, chain_draft_widths(rounds.drafter)
-    sizes = probe_sizes(min(largest, max_new_tokens + 1))
-    reports_catch_up = rounds.drafter is not None and rounds.drafter.reports_catch_up
-    sizer.start_from(probe_costs(target, rounds.drafter, sizes, draft_widths=widths), catch_up=reports_catch_up)
 
 
 def resolve_num_draft_tokens(value: Any, prompt_lookup_num_tokens: int | None = None, schedule: str | None = None

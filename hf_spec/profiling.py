@@ -56,7 +56,8 @@ def profile_rounds() -> Iterator[None]:
 
 
 class CallProfile:
-    """The sections of one call (`SECTIONS`); `RoundClock` marks the loop's boundaries, `timed_forward` the passes."""
+    """The sections of one call (`SECTIONS`); `hf_spec.recording.RoundLog` marks the loop's boundaries,
+    `timed_forward` the passes."""
 
     def __init__(self, target: torch.nn.Module, device: torch.device):
         self.target, self.device = target, device
@@ -84,21 +85,6 @@ class CallProfile:
         """A section's wall time less the forward passes already counted in it."""
         self.seconds[section] += max(0.0, seconds - self._forward["draft"] - self._forward["target"])
         self._forward = {"draft": 0.0, "target": 0.0}
-
-
-class RoundClock:
-    """The loop's step boundaries, into the call's `CallProfile` (a no-op when the call is not profiled)."""
-
-    def __init__(self, profile: CallProfile | None):
-        self.profile = profile
-        self.last = profile.sync() if profile is not None else 0.0
-
-    def mark(self, section: str) -> None:
-        """The section that just ended."""
-        if self.profile is not None:
-            now = self.profile.sync()
-            self.profile.close_section(section, now - self.last)
-            self.last = now
 
 
 @contextlib.contextmanager

@@ -1,16 +1,22 @@
-"""What a speculative call records besides its tokens: per-step scores and logits, the streamer, round timings.
+"""What a speculative call records besides its tokens: per-step scores and logits, the streamer, the statistics,
+and one clock per round (`RoundLog`), all held by one `CallRecord`.
 
-The loop (`hf_spec.decoding`) hands each round's results here and reads nothing back, so its steps stay the
-algorithm's: draft, verify, accept, stop, commit and roll back.
+The loop (`hf_spec.decoding`) hands each round's results here and reads back only the round's timings (for the
+sizer), so its steps stay the algorithm's: draft, verify, accept, stop, commit and roll back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
+
+from hf_spec.profiling import CallProfile, profiled_call
+from hf_spec.stats import SpeculativeStats
 
 
 class OutputRecorder:
@@ -60,35 +66,87 @@ def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     )
 
 
-class RoundTimer:
-    """Wall-clock seconds of a round's drafting (draft forward passes and sampling) and verification (the target
-    pass and acceptance), and of the whole round.
+class RoundLog:
+    """One round's clock: the loop marks the end of each of its sections (`hf_spec.profiling.SECTIONS`). The sizer
+    reads the drafting and verifying seconds from it, the statistics the whole round's, and a profiled call each
+    section's (`hf_spec.profiling.CallProfile`: then every mark synchronizes an accelerator).
 
     Args:
-        synchronize: wait for an accelerator's kernels before reading the clock after drafting (the draft-length
-            chooser needs the draft's own time); on a CPU the clock is exact anyway.
+        profile: the call's profile, or ``None`` when it is not profiled.
+        sync_device: an accelerator to wait for before the drafting mark (a sizer that learns from timings needs the
+            draft's own time), or ``None``; on a CPU the clock is exact anyway.
     """
 
-    def __init__(self, synchronize: bool):
-        self.synchronize = synchronize
-        self.started = self.drafted = self.verified = time.perf_counter()
+    DRAFTED, VERIFIED = "drafting, other", "host sync"  # the marks that end drafting and verifying
 
-    def mark_drafted(self, device: torch.device) -> None:
-        if self.synchronize and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.drafted = time.perf_counter()
+    def __init__(self, profile: CallProfile | None, sync_device: torch.device | None):
+        self.profile, self.sync_device = profile, sync_device
+        self.started = self.last = profile.sync() if profile is not None else time.perf_counter()
+        self.marks: dict[str, float] = {}
 
-    def mark_verified(self) -> None:
-        self.verified = time.perf_counter()
+    def mark(self, section: str) -> None:
+        """The section that just ended."""
+        if self.profile is not None:
+            now = self.profile.sync()
+            self.profile.close_section(section, now - self.last)
+        else:
+            if section == self.DRAFTED and self.sync_device is not None:
+                torch.cuda.synchronize(self.sync_device)
+            now = time.perf_counter()
+        self.marks[section] = self.last = now
 
     @property
     def draft_seconds(self) -> float:
-        return self.drafted - self.started
+        """Drafting: draft forward passes, sampling, the drafter's own work."""
+        return self.marks[self.DRAFTED] - self.started
 
     @property
     def verify_seconds(self) -> float:
-        return self.verified - self.drafted
+        """The target pass, the processors, acceptance and reading the counts."""
+        return self.marks[self.VERIFIED] - self.marks[self.DRAFTED]
 
+    @property
     def seconds_since_drafted(self) -> float:
         """Verification with everything after it (stopping, commit, roll-back), for the call's statistics."""
-        return time.perf_counter() - self.drafted
+        return self.last - self.marks[self.DRAFTED]
+
+
+class CallRecord:
+    """What one call records beside its tokens: the outputs (`OutputRecorder`), the statistics
+    (`hf_spec.stats.SpeculativeStats`) and each round's `RoundLog`."""
+
+    def __init__(self, generation_config: GenerationConfig, batch_size: int, streamer: BaseStreamer | None,
+                 verification: str, profile: CallProfile | None, sync_device: torch.device | None):
+        self.outputs = OutputRecorder(generation_config, batch_size, streamer)
+        self.stats = SpeculativeStats(verification=verification)
+        self.profile, self.sync_device = profile, sync_device
+
+    def start_round(self) -> RoundLog:
+        return RoundLog(self.profile, self.sync_device)
+
+    def record_round(self, active_rows: list[int], batch_size: int, num_drafted: int, depth: int | None,
+                     output_ids: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, num_accepted: list[int],
+                     num_kept: list[int]) -> None:
+        """A round's emitted tokens (`OutputRecorder.record`) and its counts (`SpeculativeStats.record_round`)."""
+        self.outputs.record(active_rows, output_ids, scores, logits, num_kept)
+        self.stats.record_round(num_drafted, num_accepted, num_kept, active_rows, batch_size, depth)
+
+    def finish_round(self, log: RoundLog) -> None:
+        self.stats.record_seconds(log.draft_seconds, log.seconds_since_drafted)
+
+    def finish(self) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, SpeculativeStats]:
+        """``(scores, logits, stats)``: the outputs in transformers' layout, the statistics with the profile."""
+        if self.profile is not None:
+            self.stats.profile, self.stats.profile_passes = self.profile.seconds, self.profile.passes
+        return (*self.outputs.finish(), self.stats)
+
+
+@contextlib.contextmanager
+def recorded_call(target: torch.nn.Module, device: torch.device, generation_config: GenerationConfig,
+                  batch_size: int, streamer: BaseStreamer | None, verification: str,
+                  is_timed: bool) -> Iterator[CallRecord]:
+    """The record of the call that runs inside the block, profiled where `hf_spec.profiling.profile_rounds` asks.
+    ``is_timed``: whether the sizer learns from timings (an accelerator is then synchronized after drafting)."""
+    with profiled_call(target, device) as profile:
+        sync_device = device if is_timed and device.type == "cuda" else None
+        yield CallRecord(generation_config, batch_size, streamer, verification, profile, sync_device)

@@ -44,22 +44,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from device_whisper import whisper_check, whisper_summary  # scripts/, beside this file
 from transformers import CompileConfig, Qwen2Config, Qwen2ForCausalLM
 
 import hf_spec
-import hf_spec.rejection
-import hf_spec.rounds
 from hf_spec import speculative, without_speculation
 from hf_spec.bench.measure import machine_info
 from hf_spec.compiled import compiled_forward
-from hf_spec.drafting.costs import measure_costs, synchronize
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.oracle import OracleDrafter
-from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
-from hf_spec.evaluation.exactness import exact_law, fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, exact_law, fit_sequences
 from hf_spec.loading.tiny import build_tiny_model, noisy_copy
-
-from device_whisper import whisper_check, whisper_summary  # scripts/, beside this file
+from hf_spec.sizing.costs import measure_costs, synchronize
+from hf_spec.sizing.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 
 #: Configs of the shapes measured (layers, hidden, MLP, heads, key-value heads, vocabulary).
 SHAPES = {
@@ -171,12 +168,9 @@ def check_exactness(device: torch.device, quick: bool) -> list[dict]:
     fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3}, prompt, 3))
     results.append({"case": "tree of 6 draft-model nodes, depth 3, one row", "prompt": [1, 3, 2],
                     **dataclasses.asdict(fit), "passed": fit.is_consistent})
-    originals = hf_spec.rounds.accept_draft_tokens, hf_spec.rounds.accept_block
-    hf_spec.rounds.accept_draft_tokens = hf_spec.rounds.accept_block = _resample_from_p  # whichever rule runs
-    try:  # the negative control: resampling from p instead of the residual must be caught
-        samples = sample_rows(target, draft, {}, 2, [[1, 3, 2]], num_samples, device, seed=99)[0]
-    finally:
-        hf_spec.rounds.accept_draft_tokens, hf_spec.rounds.accept_block = originals
+    # the negative control: resampling from p instead of the residual must be caught
+    samples = sample_rows(target, draft, {"verification": RESAMPLE_FROM_P}, 2, [[1, 3, 2]], num_samples, device,
+                          seed=99)[0]
     fit = fit_sequences(samples, exact_law(target, {"max_new_tokens": 3, "min_new_tokens": 3},
                                            torch.tensor([[1, 3, 2]], device=device), 3))
     results.append({"case": "negative control: resample from p (must fail)", "prompt": [1, 3, 2],
@@ -203,14 +197,6 @@ def sample_rows(target, draft, settings, k, prompts, num_samples, device, seed):
         for row, prompt_index in enumerate(order):
             collected[prompt_index].append(output[row])
     return [torch.stack(c[:num_samples]).numpy() for c in collected]
-
-
-def _resample_from_p(draft_ids, draft_probs, target_probs, generator):
-    output_ids, num_accepted = hf_spec.rejection.accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
-    for row, j in enumerate(num_accepted.tolist()):
-        if j < draft_ids.shape[1]:
-            output_ids[row, j] = hf_spec.rejection.sample_from_weights(target_probs[row, j], generator)
-    return output_ids, num_accepted
 
 
 def check_greedy(device: torch.device) -> dict:

@@ -33,7 +33,7 @@ text's own structure: easy lines, hard names, the end of a completion. ``--c`` a
 (a target pass over m tokens costs ``1 + slope (m - 1)`` steps); every fixed k of 0 .. 10 and auto k run on the same
 draws (paired), and auto's per-text ratio to the best fixed k is reported beside the mean.
 
-``--reach-errors Z`` sets `hf_spec.drafting.draft_length.REACH_ERRORS` (0: auto never reaches one position past
+``--reach-errors Z`` sets `hf_spec.sizing.draft_length.REACH_ERRORS` (0: auto never reaches one position past
 its best k, as before that rule), to compare the rule on and off on the same draws.
 
 A last case is one long call whose text turns from prose to code: 1,024 tokens, a = 0.2 for the first 256 and 0.9
@@ -49,9 +49,9 @@ import json
 import random
 import statistics
 
-from hf_spec.drafting import draft_length
-from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.draft_length import AutoDraftLength
+from hf_spec.sizing import draft_length
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.draft_length import AutoDraftLength
 
 CASES = [(0.65, 0.30), (0.65, 0.42), (0.85, 0.42), (0.90, 0.30)]  # (acceptance, draft step / target step)
 BURSTY_CASES = [((0.995, 0.1, 0.05, 0.5), 0.47), ((0.995, 0.1, 0.05, 0.5), 0.30), ((0.97, 0.3, 0.1, 0.4), 0.47)]

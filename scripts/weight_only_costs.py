@@ -36,8 +36,8 @@ def main() -> None:
     import hf_spec
     from hf_spec.bench.measure import machine_info
     from hf_spec.bench.workloads import text_workloads
-    from hf_spec.drafting.costs import forward_seconds
     from hf_spec.loading.quantization import quantized_copy
+    from hf_spec.sizing.costs import forward_seconds
 
     pair = hf_spec.load_pair()
     prompts = text_workloads(pair.tokenizer, ("code",), 8, offset=100)["code"]  # held-out HumanEval prompts

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 
-import hf_spec.rejection
 from hf_spec.evaluation.exactness import exact_law as enumerated_law
 from hf_spec.loading.tiny import build_tiny_model, noisy_copy
 
@@ -161,19 +160,3 @@ def sample_mixed_prompts(target, draft, seed: int, **extra) -> list[np.ndarray]:
         logits_processor=LogitsProcessorList([BanSuccessorOfLastToken()]), **with_length(MIXED_SETTINGS), **extra,
     )[:, width:].numpy()
     return [output[0::2], output[1::2]]
-
-
-def resample_from_p(draft_ids, draft_probs, target_probs, generator):
-    """Broken (a negative control): a rejection resamples from p instead of max(0, p - q)."""
-    output_ids, num_accepted = hf_spec.rejection.accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
-    for row, j in enumerate(num_accepted.tolist()):
-        if j < draft_ids.shape[1]:
-            output_ids[row, j] = hf_spec.rejection.sample_from_weights(target_probs[row, j], generator)
-    return output_ids, num_accepted
-
-
-def break_rule(monkeypatch, broken) -> None:
-    """Both acceptance rules of sampled chains (block verification, the default, and the token-wise rule) replaced
-    by ``broken`` for the test: a negative control then holds whichever rule the loop runs."""
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", broken)
-    monkeypatch.setattr(hf_spec.rounds, "accept_block", broken)

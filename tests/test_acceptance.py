@@ -9,7 +9,6 @@ import torch
 from helpers import make_noisy_copy, make_tiny_model
 
 from hf_spec import speculative
-from hf_spec.drafting.speedup import expected_tokens
 from hf_spec.evaluation.continuations import target_continuations
 from hf_spec.evaluation.draft_fit import (
     METRIC_PATH,
@@ -21,6 +20,7 @@ from hf_spec.evaluation.draft_fit import (
     total_variation,
 )
 from hf_spec.loading.corpora import load_texts
+from hf_spec.sizing.speedup import expected_tokens
 
 evaluate = pytest.importorskip("evaluate")
 

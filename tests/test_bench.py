@@ -18,9 +18,9 @@ from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import run_benchmark
 from hf_spec.bench.workloads import random_workloads, text_workloads
 from hf_spec.cli import main
-from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, expected_tokens, predicted_speedup
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE, build_tiny_pair
 from hf_spec.mixin import SpeculativeGenerationMixin
+from hf_spec.sizing.speedup import acceptance_from_tokens_per_pass, expected_tokens, predicted_speedup
 
 TINY = ["--target", "tiny", "--draft", "tiny"]
 RESULT_FIELDS = {
@@ -428,7 +428,7 @@ def test_the_warm_up_makes_every_cost_probe_the_timed_calls_use(tmp_path, monkey
     first call, timed apart) runs with the timed calls' ``max_new_tokens``, so no timed call pays a probe (a tree's
     first timed call once paid 11 s of probing). Control: probes forgotten after the warm-up are made again in a
     timed call."""
-    import hf_spec.drafting.costs as costs
+    import hf_spec.sizing.costs as costs
 
     probes, timed = [], []
     measure, interleaved = costs.measure_costs, hf_spec.bench.runner._interleaved_runs

@@ -12,7 +12,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import break_rule, resample_from_p
 from transformers import CompileConfig
 
 import hf_spec.forward
@@ -21,7 +20,7 @@ from hf_spec import speculative
 from hf_spec.conditioning import holds_same_encoder, split_model_kwargs, with_position_axes
 from hf_spec.decoding import speculative_decode
 from hf_spec.evaluation import conditioned
-from hf_spec.evaluation.exactness import exact_law, fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, exact_law, fit_sequences
 from hf_spec.evaluation.zoo import near_copy
 
 NUM_TOKENS, NUM_SAMPLES, GROUP = 3, 1500, 3
@@ -124,9 +123,7 @@ def _sample(name: str, num_calls: int, seed: int, **extra) -> tuple[np.ndarray, 
 def test_sampling_follows_the_target_law(name, broken, monkeypatch):
     target, _, settings, row, prompt = _sampling_case(name)
     exact = exact_law(target, {**settings, "min_new_tokens": NUM_TOKENS}, prompt, NUM_TOKENS, model_inputs=row)
-    if broken:
-        break_rule(monkeypatch, resample_from_p)
-    samples, _ = _sample(name, NUM_SAMPLES // GROUP, seed=11)
+    samples, _ = _sample(name, NUM_SAMPLES // GROUP, seed=11, **({"verification": RESAMPLE_FROM_P} if broken else {}))
     fit = fit_sequences(samples, exact)
     assert fit.is_consistent != broken, fit
 

@@ -9,17 +9,17 @@ import pytest
 import torch
 from helpers import make_noisy_copy, make_tiny_model
 
-import hf_spec.drafting.draft_length
 import hf_spec.rounds
+import hf_spec.sizing.draft_length
 from hf_spec import speculative
-from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.draft_length import AutoDraftLength, best_draft_length, draft_length_rates
-from hf_spec.drafting.estimates import SHIFT_EVIDENCE, DecayedMean, PassCosts, PositionalAcceptance
 from hf_spec.drafting.model import ModelDrafter
-from hf_spec.drafting.online import ClockGuard
-from hf_spec.drafting.speedup import expected_tokens
-from hf_spec.plan import start_sizer
 from hf_spec.rounds import ChainRounds
+from hf_spec.sizing.base import ChainSizer
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.draft_length import AutoDraftLength, best_draft_length, draft_length_rates
+from hf_spec.sizing.estimates import SHIFT_EVIDENCE, DecayedMean, PassCosts, PositionalAcceptance
+from hf_spec.sizing.online import ClockGuard
+from hf_spec.sizing.speedup import expected_tokens
 from hf_spec.stats import SpeculativeStats
 
 
@@ -176,7 +176,7 @@ def test_a_call_that_fell_to_one_token_reaches_further_once_later_positions_woul
     k = 1 for the 90 rounds of code-like text (on AMX, code, sampled, two calls of six sat at k = 1 or 2)."""
     chosen = play(seeded_chooser(), after_a_hard_stretch, rounds=120)
     assert chosen[25:30] == [1] * 5 and max(chosen[-10:]) >= 8, chosen
-    monkeypatch.setattr(hf_spec.drafting.draft_length, "REACH_ERRORS", 0.0)
+    monkeypatch.setattr(hf_spec.sizing.draft_length, "REACH_ERRORS", 0.0)
     stuck = play(seeded_chooser(), after_a_hard_stretch, rounds=120)
     assert max(stuck[30:]) == 1, stuck
 
@@ -291,7 +291,7 @@ def test_a_clock_veto_is_measured_again_once_the_case_for_drafting_grows(monkeyp
     acceptance, the cost model's case grows past the one the clock refuted, drafting is measured again and goes on.
     Control: a veto that is never measured again keeps drafting to the explorations."""
     assert drafting_share_once_the_draft_fits(clock_vetoed_chooser(), rounds=300) > 0.9
-    monkeypatch.setattr("hf_spec.drafting.online.RETEST_GAIN", float("inf"))
+    monkeypatch.setattr("hf_spec.sizing.online.RETEST_GAIN", float("inf"))
     assert drafting_share_once_the_draft_fits(clock_vetoed_chooser(), rounds=300) < 0.1
 
 
@@ -395,13 +395,13 @@ def test_a_draft_model_reports_the_tokens_its_first_pass_catches_up_on(pair, mon
     that starts auto k times the draft's 2-token pass for it."""
     target = pair[0]
     draft = make_noisy_copy(target, seed=21, noise=0.1)  # accepted in full in some rounds, not in others
-    reports, learn = [], hf_spec.rounds.ChainRounds.learn
+    reports, learn = [], ChainSizer.learn_chain
 
-    def recording_learn(self, proposal, accepted, num_accepted, draft_seconds, verify_seconds):
+    def recording_learn(self, proposal, num_accepted, draft_seconds, verify_seconds):
         reports.append((proposal.num_draft_tokens, list(num_accepted), proposal.num_catch_up_tokens))
-        learn(self, proposal, accepted, num_accepted, draft_seconds, verify_seconds)
+        learn(self, proposal, num_accepted, draft_seconds, verify_seconds)
 
-    monkeypatch.setattr(hf_spec.rounds.ChainRounds, "learn", recording_learn)
+    monkeypatch.setattr(ChainSizer, "learn_chain", recording_learn)
     target.generate(torch.tensor([[1, 2, 3, 4]]), assistant_model=draft, do_sample=False, max_new_tokens=60,
                     num_assistant_tokens=3)
     assert reports[0][2] == 3  # the prompt's prefill: 4 tokens
@@ -412,7 +412,7 @@ def test_a_draft_model_reports_the_tokens_its_first_pass_catches_up_on(pair, mon
     monkeypatch.setattr(ModelDrafter, "measure_passes", lambda self, ids, passes, repeats: (
         widths.append(list(passes)), measure(self, ids, passes, repeats))[1])
     rounds = ChainRounds(ModelDrafter(draft), AutoDraftLength())
-    start_sizer(target, rounds, max_new_tokens=60)
+    rounds.start_sizer(target, max_new_tokens=60)
     assert widths and all(asked == [1, 2] for asked in widths) and rounds.sizer.costs.catch_up_ratio >= 0.0
 
 

@@ -10,16 +10,14 @@ from helpers import (
     MIXED_PROMPTS,
     MIXED_SETTINGS,
     BanSuccessorOfLastToken,
-    break_rule,
     exact_law,
-    resample_from_p,
     sample_mixed_prompts,
     sample_speculative,
 )
 
 import hf_spec.rejection
 import hf_spec.rounds
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, broken_rules, fit_sequences
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -50,11 +48,12 @@ def _q_from_the_next_row(draft_ids, draft_probs, target_probs, generator):
     return hf_spec.rejection.accept_draft_tokens(draft_ids, draft_probs.roll(1, dims=0), target_probs, generator)
 
 
-def test_negative_control_q_from_another_row_is_caught(small_target, small_draft, monkeypatch):
-    break_rule(monkeypatch, _q_from_the_next_row)
+def test_negative_control_q_from_another_row_is_caught(small_target, small_draft):
+    broken = broken_rules(_q_from_the_next_row)
     results = [
         fit_sequences(samples, exact_law(small_target, MIXED_SETTINGS, [BanSuccessorOfLastToken()], prompt))
-        for samples, prompt in zip(sample_mixed_prompts(small_target, small_draft, seed=6), MIXED_PROMPTS)
+        for samples, prompt in zip(sample_mixed_prompts(small_target, small_draft, seed=6, verification=broken),
+                                   MIXED_PROMPTS)
     ]
     assert not all(result.is_consistent for result in results), results
 
@@ -70,12 +69,11 @@ def _block_without_draft_prefix(processors, prefix_ids, block_ids, logits, prefi
     [("accept_draft_tokens", "temperature_1"), ("process_block", "eta_user_processor_k5")],
 )
 def test_negative_control_broken_loop_is_caught(small_target, small_draft, monkeypatch, patch, case):
-    if patch == "accept_draft_tokens":
-        break_rule(monkeypatch, resample_from_p)
-    else:
+    extra = {"verification": RESAMPLE_FROM_P} if patch == "accept_draft_tokens" else {}
+    if patch == "process_block":  # a broken processor pass, not a rule: it lives inside the rounds
         monkeypatch.setattr(hf_spec.rounds, patch, _block_without_draft_prefix)
     k, settings, user_processors = CASES[case]
-    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=99)
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=99, **extra)
     result = fit_sequences(samples, exact_law(small_target, settings, user_processors))
     assert not result.is_consistent, result
 
@@ -107,10 +105,10 @@ def _first_failure_scan(draft_ids, draft_probs, target_probs, generator):
     return hf_spec.rejection._assemble_output(draft_ids, num_accepted, next_ids), num_accepted
 
 
-def test_negative_control_block_verification_scanned_token_wise_is_caught(small_target, small_draft, monkeypatch):
-    monkeypatch.setattr(hf_spec.rounds, "accept_block", _first_failure_scan)
+def test_negative_control_block_verification_scanned_token_wise_is_caught(small_target, small_draft):
     k, settings, user_processors = CASES["combined_chain_k4"]
-    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=98)
+    samples = sample_speculative(small_target, small_draft, settings, user_processors, k, seed=98,
+                                 verification=broken_rules(_first_failure_scan))
     assert not fit_sequences(samples, exact_law(small_target, settings, user_processors)).is_consistent
 
 
@@ -124,7 +122,8 @@ def test_the_rule_that_ran_is_reported_and_bad_choices_are_refused(small_target,
         "confidence": {"do_sample": True, "assistant_confidence_threshold": 0.3}}.items()}
     assert ran == {"default": "block", "token": "token", "greedy": "greedy", "tree": "traversal", "tree_token": "tree",
                    "confidence": "token"}
-    with pytest.raises(ValueError, match=r"`verification` must be one of \('block', 'token'\), but is 'tree'"):
+    with pytest.raises(ValueError, match=r"`verification` must be one of \('block', 'token'\) or a hf_spec "
+                                         r"Verification, but is 'tree'"):
         small_target.generate(prompt, verification="tree", **common)
     with pytest.raises(ValueError, match="used by speculative decoding only"):
         small_target.generate(prompt, verification="token", max_new_tokens=4)

@@ -81,15 +81,15 @@ def test_forced_rejection_at_every_position_keeps_caches_exact(target, monkeypat
     draft = _forced_rejection_draft(make_tiny_model(seed=3), greedy_ids, reject_at)
 
     snapshots = []
-    original_roll_back = hf_spec.decoding.roll_back
+    original_roll_back = hf_spec.rounds.Rounds.roll_back
 
-    def recording_roll_back(target_cache, drafter, rollback):
-        original_roll_back(target_cache, drafter, rollback)
+    def recording_roll_back(self, target_cache, rollback):
+        original_roll_back(self, target_cache, rollback)
         length = rollback.num_cached + 1  # one row, no holes: the committed length
         keys = [layer.keys.clone() for layer in target_cache.layers]
-        snapshots.append((length, keys, drafter.cache.get_seq_length()))
+        snapshots.append((length, keys, self.drafter.cache.get_seq_length()))
 
-    monkeypatch.setattr(hf_spec.decoding, "roll_back", recording_roll_back)
+    monkeypatch.setattr(hf_spec.rounds.Rounds, "roll_back", recording_roll_back)
     output = target.generate(
         PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=num_new, num_assistant_tokens=k,
         return_dict_in_generate=True,

@@ -17,26 +17,23 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
-    break_rule,
     exact_law,
     left_padded,
     make_noisy_copy,
     make_tiny_model,
-    resample_from_p,
     sample_speculative,
 )
 from transformers import AutoModelForCausalLM
 
-import hf_spec.rounds
 from hf_spec import AutoDraftLength, speculative, without_speculation
 from hf_spec.bench.measure import weight_bytes
-from hf_spec.drafting import costs
-from hf_spec.drafting.costs import CostTable, probe_costs
-from hf_spec.drafting.estimates import SHIFT_EVIDENCE
 from hf_spec.drafting.model import ModelDrafter
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading import packed
 from hf_spec.loading.packed import PackedLinear, cpu_path, deoptimize, optimize
+from hf_spec.sizing import costs
+from hf_spec.sizing.costs import CostTable, probe_costs
+from hf_spec.sizing.estimates import SHIFT_EVIDENCE
 
 
 def optimized(model, path="packed"):
@@ -74,10 +71,9 @@ def test_speculative_sampling_follows_the_optimized_target_law(small_pair, case)
 
 
 def test_negative_control_resampling_from_p_is_caught_on_the_optimized_path(small_pair, monkeypatch):
-    break_rule(monkeypatch, resample_from_p)
     target, draft = small_pair
     k, settings, user_processors = CASES["temperature_1"]
-    samples = sample_speculative(target, draft, settings, user_processors, k, seed=98)
+    samples = sample_speculative(target, draft, settings, user_processors, k, seed=98, verification=RESAMPLE_FROM_P)
     assert not fit_sequences(samples, exact_law(target, settings, user_processors)).is_consistent
 
 
@@ -230,7 +226,7 @@ def hopeless_costs() -> CostTable:
 
 def test_auto_decodes_at_k0_and_says_so_where_speculation_cannot_pay(target, random_draft, caplog):
     auto = AutoDraftLength()
-    with caplog.at_level(logging.WARNING, logger="hf_spec.drafting.online"):
+    with caplog.at_level(logging.WARNING, logger="hf_spec.sizing.online"):
         auto.start_from(hopeless_costs())
     assert auto.is_hopeless and "speculation cannot pay" in caplog.text
     prompt = torch.tensor([[1, 2, 3]])

@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import NUM_SAMPLES, break_rule, exact_law, make_noisy_copy, make_tiny_model, resample_from_p, with_length
+from helpers import NUM_SAMPLES, exact_law, make_noisy_copy, make_tiny_model, with_length
 from transformers import LogitsProcessorList
 
-import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.drafting.lookup import lookup_continuation
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 
 # "3 2" recurs, so lookup proposes "1 3 2" from the first round; later rounds match the rows' own samples.
 LOOKUP_PROMPT = torch.tensor([[2, 1, 3, 2, 1, 3, 2]])
@@ -114,9 +113,8 @@ def test_auto_k_and_lookup_then_model_sampling_match_the_target_law(small_target
 
 def test_negative_control_lookup_resampling_from_p_is_caught(small_target, monkeypatch):
     """A rejected point mass resampled from p instead of p without x over-weights x: it must be caught."""
-    break_rule(monkeypatch, resample_from_p)
     settings, drafting = LOOKUP_CASES["lookup_temperature_1"]
-    samples = sample_lookup(small_target, settings, seed=3, **drafting)
+    samples = sample_lookup(small_target, settings, seed=3, verification=RESAMPLE_FROM_P, **drafting)
     result = fit_sequences(samples, exact_law(small_target, settings, [], prompt=LOOKUP_PROMPT))
     assert not result.is_consistent, result
 

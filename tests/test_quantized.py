@@ -22,12 +22,10 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
-    break_rule,
     exact_law,
     left_padded,
     make_noisy_copy,
     make_tiny_model,
-    resample_from_p,
     sample_speculative,
 )
 
@@ -35,7 +33,7 @@ import hf_spec.loading.quantization
 import hf_spec.rounds
 from hf_spec import speculative
 from hf_spec.cli import main
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading.quantization import BITSANDBYTES_SCHEMES as SCHEMES
 from hf_spec.loading.quantization import (
     check_quantizable,
@@ -104,10 +102,10 @@ def test_a_quantized_draft_keeps_the_law(quantized_targets, small_draft):
 def test_negative_control_resampling_from_p_is_caught_with_a_quantized_target(
     quantized_targets, small_draft, monkeypatch
 ):
-    break_rule(monkeypatch, resample_from_p)
     target = quantized_targets["nf4"]
     k, settings, user_processors = CASES["temperature_1"]
-    samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99)
+    samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99,
+                                 verification=RESAMPLE_FROM_P)
     assert not fit_sequences(samples, exact_law(target, settings, user_processors)).is_consistent
 
 

@@ -15,15 +15,15 @@ from helpers import PAD, PROMPTS, left_padded, make_noisy_copy, make_tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_spec import AutoTreeSize, speculative, without_speculation
-from hf_spec.drafting.costs import _PROBED, probe_costs
 from hf_spec.drafting.model import ModelDrafter
-from hf_spec.drafting.online import MAX_CHOSEN
 from hf_spec.drafting.suffix import SuffixDrafter
 from hf_spec.drafting.vocabulary import prune_vocabulary
 from hf_spec.heads import DraftHead
 from hf_spec.loading import packed
 from hf_spec.loading.tiny import build_tiny_pair, tiny_tokenizer
 from hf_spec.loading.vocabulary import counts_path, draft_vocabulary, read_counts
+from hf_spec.sizing.costs import _PROBED, probe_costs
+from hf_spec.sizing.online import MAX_CHOSEN
 
 PROMPT = torch.tensor([[1, 2, 3, 4]])
 
@@ -260,7 +260,7 @@ def test_the_cost_probe_and_optimize_fit_a_short_position_table():
 def test_the_probe_is_capped_by_the_call_and_a_ladder_of_sizes(monkeypatch):
     target, draft = build_tiny_pair(seed=5)
     asked = []
-    monkeypatch.setattr("hf_spec.plan.probe_costs",
+    monkeypatch.setattr("hf_spec.rounds.probe_costs",
                         lambda target, drafter, sizes, **kwargs: asked.append(sizes) or probe_costs(
                             target, drafter, sizes, **kwargs))
     speculative(target).generate(PROMPT, prompt_lookup_num_tokens=200, num_assistant_tokens="auto",

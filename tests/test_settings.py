@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import exact_law, resample_from_p, sample_speculative
+from helpers import exact_law, sample_speculative
 from transformers import GenerationConfig, WatermarkingConfig
 
 from hf_spec import speculative
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading.tiny import build_tiny_pair
 from hf_spec.settings import METADATA, REFUSED, SETTINGS, WARNED, settings_table
 
@@ -132,11 +132,8 @@ def test_early_stops_and_schedules_keep_the_target_law(small_target, small_draft
 
 
 def test_negative_control_an_early_stop_with_a_broken_rule_is_caught(small_target, small_draft, monkeypatch):
-    import hf_spec.rounds
-
-    monkeypatch.setattr(hf_spec.rounds, "accept_draft_tokens", resample_from_p)
     samples = sample_speculative(small_target, small_draft, {"top_k": 3}, [], 3, seed=42,
-                                 assistant_confidence_threshold=0.6)
+                                 assistant_confidence_threshold=0.6, verification=RESAMPLE_FROM_P)
     assert not fit_sequences(samples, exact_law(small_target, {"top_k": 3}, [])).is_consistent
 
 

@@ -27,8 +27,8 @@ from helpers import (
 from transformers import CompileConfig, StaticCache
 
 import hf_spec.compiled
-import hf_spec.decoding
 import hf_spec.forward
+import hf_spec.rounds
 from hf_spec import speculative, without_speculation
 from hf_spec.caches import static_length
 from hf_spec.evaluation.exactness import fit_sequences
@@ -252,7 +252,7 @@ def _poisoning(original, offset: int):
 
 @pytest.mark.parametrize("offset, is_exact", [(0, True), (-1, False)])
 def test_stale_entries_past_the_write_position_never_reach_a_query(model, assistant, monkeypatch, offset, is_exact):
-    monkeypatch.setattr(hf_spec.decoding, "crop_to", _poisoning(hf_spec.decoding.crop_to, offset))
+    monkeypatch.setattr(hf_spec.rounds, "crop_to", _poisoning(hf_spec.rounds.crop_to, offset))
     input_ids, mask = left_padded(PROMPTS)
     output = greedy(model, input_ids, mask, assistant_model=assistant, cache_implementation="static",
                     num_assistant_tokens=4, return_dict_in_generate=True)

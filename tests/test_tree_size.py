@@ -10,20 +10,25 @@ import pytest
 import torch
 from helpers import make_noisy_copy, make_tiny_model
 
-import hf_spec.drafting.tree_size
 import hf_spec.rounds
+import hf_spec.sizing.tree_size
 from hf_spec import speculative
-from hf_spec.drafting.base import Proposal
-from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.draft_length import best_draft_length
-from hf_spec.drafting.estimates import SHIFT_EVIDENCE
 from hf_spec.drafting.model_tree import ModelTreeDrafter
-from hf_spec.drafting.speedup import expected_tokens
 from hf_spec.drafting.tree import DraftTree
-from hf_spec.drafting.tree_size import AutoTreeSize, catch_up_chances, grow_values, missing_children, rank_outcomes
 from hf_spec.heads import DraftHead
-from hf_spec.plan import start_sizer
-from hf_spec.rounds import TreeRounds
+from hf_spec.rounds import ChainRound, TreeRound, TreeRounds
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.draft_length import best_draft_length
+from hf_spec.sizing.estimates import SHIFT_EVIDENCE
+from hf_spec.sizing.speedup import expected_tokens
+from hf_spec.sizing.tree_size import (
+    AutoTreeSize,
+    FixedTreeSize,
+    catch_up_chances,
+    grow_values,
+    missing_children,
+    rank_outcomes,
+)
 
 
 def test_a_chain_grows_the_speedup_formula():
@@ -129,7 +134,7 @@ def test_children_the_draft_could_not_draw_count_as_rejections(counted, monkeypa
     pricing them (and draft chains, which skip the tree path); the control, with them not counted, keeps the prior
     for second children and keeps asking for trees."""
     if not counted:
-        monkeypatch.setattr(hf_spec.drafting.tree_size, "missing_children", lambda parents, branching: [])
+        monkeypatch.setattr(hf_spec.sizing.tree_size, "missing_children", lambda parents, branching: [])
     sizer = AutoTreeSize()
     blocks = {n: 1.0 + 0.0002 * n for n in (1, 2, 4, 8, 16, 33)}  # flat: a sibling's value need only be tiny
     sizer.start_from(CostTable(1.0, 0.45, blocks, {1: 0.45, 2: 0.47}))
@@ -234,7 +239,7 @@ def test_a_tree_call_that_fell_to_one_token_reaches_deeper_once_deeper_levels_wo
     without it, it stays at one token for the 90 rounds of code-like text."""
     chosen = play_chains(seeded_sizer(), after_a_hard_stretch, rounds=120)
     assert chosen[25:30] == [1] * 5 and max(chosen[-10:]) >= 8, chosen
-    monkeypatch.setattr(hf_spec.drafting.tree_size, "REACH_ERRORS", 0.0)
+    monkeypatch.setattr(hf_spec.sizing.tree_size, "REACH_ERRORS", 0.0)
     stuck = play_chains(seeded_sizer(), after_a_hard_stretch, rounds=120)
     assert max(stuck[30:]) == 1, stuck
 
@@ -319,8 +324,8 @@ def test_an_auto_tree_drafts_its_chains_as_chain_rounds(model, drafter, monkeypa
                        weight=1e9)
     out = model.generate(prompt, max_new_tokens=40, do_sample=False, num_tree_nodes=chooser,
                          assistant_model=assistant, return_dict_in_generate=True)
-    chains = [proposal.num_draft_tokens for proposal in drafts if isinstance(proposal, Proposal)]
-    trees = [tree for tree in drafts if isinstance(tree, DraftTree)]
+    chains = [round_.proposal.num_draft_tokens for round_ in drafts if isinstance(round_, ChainRound)]
+    trees = [round_.tree for round_ in drafts if isinstance(round_, TreeRound)]
     assert any(chains) and trees and len(tree_passes) == len(trees), (chains, len(trees), len(tree_passes))
     assert len(chooser.chosen) == out.speculative_stats.num_rounds == len(drafts)
     assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=40, do_sample=False))
@@ -330,13 +335,13 @@ def test_an_auto_tree_drafts_its_chains_as_chain_rounds(model, drafter, monkeypa
 def test_a_draft_model_tree_reports_the_tokens_its_first_pass_catches_up_on(model, monkeypatch):
     """1 after a round whose accepted path ends at a node the draft never evaluated (a childless one: with one node
     expanded per level, only those), 0 otherwise; and the probe that starts an auto tree times the 2-token pass."""
-    reports, learn = [], TreeRounds.learn
+    reports, learn = [], FixedTreeSize.update_tree
 
-    def recording_learn(self, tree, accepted, num_accepted, draft_seconds, verify_seconds):
-        reports.append((tree.parents, list(accepted.path), tree.num_catch_up_tokens))
-        learn(self, tree, accepted, num_accepted, draft_seconds, verify_seconds)
+    def recording_learn(self, tree, path, draft_seconds, verify_seconds):
+        reports.append((tree.parents, list(path), tree.num_catch_up_tokens))
+        learn(self, tree, path, draft_seconds, verify_seconds)
 
-    monkeypatch.setattr(TreeRounds, "learn", recording_learn)
+    monkeypatch.setattr(FixedTreeSize, "update_tree", recording_learn)
     draft = make_noisy_copy(model, seed=3, noise=0.1)
     model.generate(torch.tensor([[5, 9, 5, 9, 7]]), assistant_model=draft, do_sample=False, max_new_tokens=40,
                    num_tree_nodes=4)
@@ -349,7 +354,7 @@ def test_a_draft_model_tree_reports_the_tokens_its_first_pass_catches_up_on(mode
     monkeypatch.setattr(ModelTreeDrafter, "measure_passes", lambda self, ids, passes, repeats: (
         widths.append(list(passes)), measure(self, ids, passes, repeats))[1])
     rounds = TreeRounds(ModelTreeDrafter(draft), AutoTreeSize())
-    start_sizer(model, rounds, max_new_tokens=40)
+    rounds.start_sizer(model, max_new_tokens=40)
     assert widths and all(asked == [1, 2] for asked in widths)
 
 

@@ -16,13 +16,14 @@ from transformers import LogitsProcessorList
 import hf_spec.drafting.branching
 import hf_spec.rounds
 from hf_spec import speculative
-from hf_spec.drafting.costs import CostTable
 from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.drafting.suffix import SuffixDrafter, continuations, heaviest_subtree
 from hf_spec.drafting.tree import DraftTree
-from hf_spec.drafting.tree_size import AutoTreeSize
-from hf_spec.evaluation.exactness import exact_law, fit_sequences
+from hf_spec.evaluation.exactness import broken_rules, exact_law, fit_sequences
 from hf_spec.rejection import accept_tree, accept_tree_greedy, sample_from_weights
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.tree_size import AutoTreeSize
+from hf_spec.verification import BLOCK, Verification
 
 VOCAB = 4
 RULE_SAMPLES = 20_000
@@ -203,31 +204,28 @@ def test_negative_control_children_without_replacement_reported_as_iid(small_tar
     assert not result.is_consistent, result
 
 
-def _accept_chains_against_the_draft(monkeypatch) -> list[int]:
-    """From now on, chain rounds are verified against the draft's own law (p := q where drafted): a broken rule
-    that only a test seeing chain rounds can catch. Returns the drafted lengths of the chain rounds, as they run."""
+def _chains_against_the_draft() -> tuple[Verification, list[int]]:
+    """Rules that verify chain rounds against the draft's own law (p := q where drafted), trees as the default
+    does: a broken rule that only a test seeing chain rounds can catch. With the drafted lengths of the chain rounds,
+    as they run."""
     chain_rounds = []
 
-    def against_the_draft(original):
-        def accept(draft_ids, draft_probs, target_probs, generator=None):
-            chain_rounds.append(draft_ids.shape[1])
-            laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)
-            return original(draft_ids, draft_probs, laws, generator)
-        return accept
+    def accept(draft_ids, draft_probs, target_probs, generator=None):
+        chain_rounds.append(draft_ids.shape[1])
+        laws = torch.cat([draft_probs, target_probs[:, draft_ids.shape[1]:]], dim=1)
+        return BLOCK.chain(draft_ids, draft_probs, laws, generator)
 
-    for rule in ("accept_draft_tokens", "accept_block"):  # whichever the chain rounds run
-        monkeypatch.setattr(hf_spec.rounds, rule, against_the_draft(getattr(hf_spec.rounds, rule)))
-    return chain_rounds
+    return broken_rules(accept, BLOCK.tree, "chains against the draft"), chain_rounds
 
 
-def test_negative_control_an_auto_trees_chain_rounds_accepted_against_the_draft(small_target, small_draft,
-                                                                               monkeypatch):
-    """The auto tree's chains run as chain rounds (`hf_spec.rounds.TreeRounds.chain`), and the ``auto_budget`` case
-    sees them: verifying their drafts against the draft's own law instead of the target's must fail it."""
-    chain_rounds = _accept_chains_against_the_draft(monkeypatch)
+def test_negative_control_an_auto_trees_chain_rounds_accepted_against_the_draft(small_target, small_draft):
+    """The auto tree's chains run as chain rounds (`hf_spec.rounds.TreeRounds.chain_round`), and the
+    ``auto_budget`` case sees them: verifying their drafts against the draft's own law instead of the target's must
+    fail it."""
+    broken, chain_rounds = _chains_against_the_draft()
     make_assistant, settings, _ = TREE_CASES["auto_budget"]
     samples = _sample_trees(small_target, make_assistant(small_draft), settings, seed=11,
-                            num_tree_nodes=_auto_tree_size())
+                            num_tree_nodes=_auto_tree_size(), verification=broken)
     result = fit_sequences(samples, exact_law(small_target, _settings(settings), PROMPT, NUM_TOKENS, []))
     print("negative control, an auto tree's chain rounds accepted against the draft:", result, len(chain_rounds))
     assert any(chain_rounds) and not result.is_consistent, result
@@ -239,7 +237,7 @@ CHAIN_CASES = {  # (settings, nodes): trees that come out chains
 }
 
 
-def _sample_chain_trees(target, draft, case: str, seed: int, monkeypatch) -> tuple[np.ndarray, int]:
+def _sample_chain_trees(target, draft, case: str, seed: int, monkeypatch, **extra) -> tuple[np.ndarray, int]:
     """Fixed trees of a `CHAIN_CASES` case, and how many of their rounds were verified as chains."""
     settings, num_nodes = CHAIN_CASES[case]
     chains, as_chain = [], hf_spec.rounds.chain_proposal
@@ -249,7 +247,7 @@ def _sample_chain_trees(target, draft, case: str, seed: int, monkeypatch) -> tup
         return as_chain(tree)
 
     monkeypatch.setattr(hf_spec.rounds, "chain_proposal", counted)
-    samples = _sample_trees(target, draft, settings, seed=seed, num_tree_nodes=num_nodes)
+    samples = _sample_trees(target, draft, settings, seed=seed, num_tree_nodes=num_nodes, **extra)
     return samples, sum(1 for n in chains if n)
 
 
@@ -262,14 +260,14 @@ def test_trees_that_come_out_chains_are_verified_as_chains_and_sample_the_target
     assert num_chains >= GENERATE_SAMPLES // 4 and result.is_consistent, (num_chains, result)
 
 
-def test_negative_control_trees_verified_as_chains_accepted_against_the_draft(small_target, small_draft,
-                                                                             monkeypatch):
+def test_negative_control_trees_verified_as_chains_accepted_against_the_draft(small_target, small_draft, monkeypatch):
     """The ``one_node`` case sees the trees it verifies as chains: accepting them against the draft's own law must
     fail it. (Two would-be controls pass, as they should: the chain rule is exact for any token chosen independently
     of the target and reported with the law it was drawn from, so neither a tree's siblings verified as successive
     tokens, in draw order, nor a chain's tokens reported as point masses, changes the output law.)"""
-    chain_rounds = _accept_chains_against_the_draft(monkeypatch)
-    samples, num_chains = _sample_chain_trees(small_target, small_draft, "one_node", 22, monkeypatch)
+    broken, chain_rounds = _chains_against_the_draft()
+    samples, num_chains = _sample_chain_trees(small_target, small_draft, "one_node", 22, monkeypatch,
+                                              verification=broken)
     result = fit_sequences(samples, exact_law(small_target, _settings(CHAIN_CASES["one_node"][0]), PROMPT,
                                               NUM_TOKENS, []))
     print("negative control, trees verified as chains accepted against the draft:", num_chains, result)

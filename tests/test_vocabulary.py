@@ -15,7 +15,6 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
-    break_rule,
     exact_law,
     left_padded,
     letters_tokenizer,
@@ -29,7 +28,7 @@ import hf_spec.rounds
 from hf_spec import speculative, without_speculation
 from hf_spec.cli import main
 from hf_spec.drafting.vocabulary import PrunedOutputLayer, prune_vocabulary, pruned_size, restore_vocabulary
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import broken_rules, fit_sequences
 from hf_spec.loading.packed import deoptimize, optimize
 from hf_spec.loading.vocabulary import frequent_token_ids, token_counts
 
@@ -74,9 +73,9 @@ def _target_restricted_to_the_draft_ids(draft_ids, draft_probs, target_probs, ge
 
 
 def test_negative_control_a_target_restricted_to_the_draft_ids_is_caught(small_target, pruned_draft, monkeypatch):
-    break_rule(monkeypatch, _target_restricted_to_the_draft_ids)
     k, settings, user_processors = CASES["temperature_1"]
-    samples = sample_speculative(small_target, pruned_draft, settings, user_processors, k, seed=97)
+    samples = sample_speculative(small_target, pruned_draft, settings, user_processors, k, seed=97,
+                                 verification=broken_rules(_target_restricted_to_the_draft_ids))
     assert not fit_sequences(samples, exact_law(small_target, settings, user_processors)).is_consistent
 
 

@@ -12,12 +12,10 @@ from helpers import (
     CASES,
     PAD,
     PROMPTS,
-    break_rule,
     exact_law,
     left_padded,
     make_noisy_copy,
     make_tiny_model,
-    resample_from_p,
     sample_speculative,
     small_target_model,
 )
@@ -25,7 +23,7 @@ from helpers import (
 import hf_spec
 from hf_spec import speculative
 from hf_spec.cli import main
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading.packed import optimize
 from hf_spec.loading.quantization import quantization_of, quantized_copy
 from hf_spec.loading.weight_only import DENSE_ROWS, WEIGHT_ONLY_SCHEMES, WeightOnlyLinear, quantize_weights
@@ -75,10 +73,10 @@ def test_an_int4_draft_for_an_int8_target_keeps_the_law(full_precision, small_dr
 
 
 def test_negative_control_is_caught_with_an_int4_target(full_precision, small_draft, monkeypatch):
-    break_rule(monkeypatch, resample_from_p)
     target = speculative(quantized_copy(full_precision, "int4"))
     k, settings, user_processors = CASES["temperature_1"]
-    samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99)
+    samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99,
+                                 verification=RESAMPLE_FROM_P)
     assert not fit_sequences(samples, exact_law(target, settings, user_processors)).is_consistent
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import NUM_SAMPLES, PROMPT, break_rule, exact_law, resample_from_p, with_length
+from helpers import NUM_SAMPLES, PROMPT, exact_law, with_length
 from transformers import DynamicCache, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
 
 import hf_spec.decoding
@@ -16,7 +16,7 @@ from hf_spec import speculative, without_speculation
 from hf_spec.caches import ColumnRules, column_rules, crop_to, move_columns, prepare_for_rollback
 from hf_spec.compat import records_recurrent_states
 from hf_spec.drafting.model import ModelDrafter
-from hf_spec.evaluation.exactness import fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.evaluation.zoo import near_copy
 from hf_spec.heads import DraftHead
 
@@ -231,13 +231,13 @@ def test_recurrent_models_are_refused_by_name_without_recording():
 SETTINGS = {"temperature": 1.0}
 
 
-def _sample(target, draft, seed: int) -> np.ndarray:
+def _sample(target, draft, seed: int, **extra) -> np.ndarray:
     """NUM_SAMPLES rows of one batch, each a sample of three tokens: rows accept different counts, so the batch has
     holes (windows) or keeps the fewest (recurrent states) every round."""
     prompt = torch.tensor([[1, 3, 2, 2, 1, 3]])  # longer than the window
     output = target.generate(prompt.expand(NUM_SAMPLES, -1), assistant_model=draft, do_sample=True,
                              num_assistant_tokens=2, generator=torch.Generator().manual_seed(seed), pad_token_id=0,
-                             **with_length(SETTINGS))
+                             **with_length(SETTINGS), **extra)
     return output[:, prompt.shape[1]:].numpy(), prompt
 
 
@@ -269,8 +269,7 @@ def test_negative_control_holes_left_inside_the_window_are_caught(small_window_p
 
 def test_negative_control_a_broken_rule_is_caught_in_a_sliding_window_batch(small_window_pair, monkeypatch):
     target, draft = small_window_pair
-    break_rule(monkeypatch, resample_from_p)
-    samples, prompt = _sample(target, draft, seed=0)
+    samples, prompt = _sample(target, draft, seed=0, verification=RESAMPLE_FROM_P)
     assert not fit_sequences(samples, exact_law(target, SETTINGS, [], prompt)).is_consistent
 
 

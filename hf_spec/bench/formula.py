@@ -1,7 +1,7 @@
 """The speed-up formula beside what a fixed-k method measured: priced at the cost probe's figures, and at the costs of
 the run's own passes, with where the rest of the time went.
 
-The formula (`hf_spec.drafting.speedup`), with the per-token acceptance ``alpha`` that explains the measured tokens
+The formula (`hf_spec.sizing.speedup`), with the per-token acceptance ``alpha`` that explains the measured tokens
 per target pass::
 
     predicted = (1 - alpha^(k+1)) / ((1 - alpha) (k c + b))
@@ -22,8 +22,8 @@ leaves out:
 
 from __future__ import annotations
 
-from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.speedup import acceptance_from_tokens_per_pass, predicted_speedup
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.speedup import acceptance_from_tokens_per_pass, predicted_speedup
 
 PROBE_FIELDS = ("alpha", "probe_cost_ratio", "probe_block_cost", "predicted_speedup", "predicted_speedup_block_cost",
                 "share_of_predicted", "share_of_predicted_block_cost")

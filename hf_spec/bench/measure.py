@@ -1,5 +1,5 @@
 """Measuring a generate() call: forward-pass counts, peak memory, weights, and the machine (forward-pass costs:
-`hf_spec.drafting.costs`)."""
+`hf_spec.sizing.costs`)."""
 
 from __future__ import annotations
 

@@ -34,21 +34,29 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_spec.bench.measure import machine_info, weight_bytes
-from hf_spec.bench.methods import (DEFAULT_METHODS, SETTINGS, MethodSpec, bench_compile_config,
-                                   generate_once, method_spec, run_one)
+from hf_spec.bench.methods import (
+    DEFAULT_METHODS,
+    SETTINGS,
+    MethodSpec,
+    bench_compile_config,
+    generate_once,
+    method_spec,
+    run_one,
+)
 from hf_spec.bench.peers import OpenVINOPeer
 from hf_spec.bench.report import KERNEL_BASELINES, Run, first_calls, summarize, variant_suffix
 from hf_spec.checks import check_int
 from hf_spec.compiled import compiled_forward
 from hf_spec.drafting.base import Drafter
-from hf_spec.drafting.costs import measure_costs, probe_costs, probe_sizes
-from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.evaluation.continuations import count_new_tokens, seeded
 from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative
-from hf_spec.plan import chain_draft_widths, cross_tokenizer_drafter, make_drafter
+from hf_spec.plan import cross_tokenizer_drafter, make_drafter
+from hf_spec.rounds import chain_draft_widths
+from hf_spec.sizing.costs import measure_costs, probe_costs, probe_sizes
+from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 
 logger = logging.getLogger(__name__)
 

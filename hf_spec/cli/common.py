@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.loading.pair import DTYPES, TINY, Pair, load_pair
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET
 from hf_spec.loading.quantization import SCHEMES
 from hf_spec.loading.vocabulary import COUNTED_ON
+from hf_spec.sizing.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 
 # --- argparse types: each refuses a bad value by name, before any work ----------------------------------------------
 

@@ -4,7 +4,7 @@ A drafter proposes up to k tokens for every active row, each drawn from a law q 
 prefix, and returns q. That is all the acceptance rule needs for exactness: `hf_spec.rejection` accepts token x with
 probability min(1, p(x) / q(x)) and resamples a rejection from normalize(max(0, p - q)), whatever q is.
 
-What drafters do not do: choose k (`hf_spec.drafting.draft_length` does), or touch the target's cache.
+What drafters do not do: choose k (`hf_spec.sizing.draft_length` does), or touch the target's cache.
 
 The core knows every drafter through this contract only: a drafter of your own, a draft model (`ModelDrafter`), a draft
 head (`hf_spec.heads`: its model hands the loop a drafter through `DraftSource`), prompt lookup. Its hooks say what

@@ -42,11 +42,11 @@ from transformers import PreTrainedModel
 from hf_spec.caches import cache_length, crop_to, new_cache, reads_encoder_outputs, select_rows
 from hf_spec.compat import is_rewired_by_universal_assisted_generation
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
-from hf_spec.drafting.costs import forward_seconds
 from hf_spec.drafting.lookup import point_mass_proposal
 from hf_spec.drafting.model import check_draft_model
 from hf_spec.forward import forward_missing, has_invalid_values, position_table
 from hf_spec.rows import RaggedBatch
+from hf_spec.sizing.costs import forward_seconds
 
 _MAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target tokenizer -> {draft tokenizer -> map}
 #: How a draft of another tokenizer proposes target ids (`CrossTokenizerDrafter`).

@@ -8,10 +8,10 @@ from transformers import PreTrainedModel
 from hf_spec.caches import ColumnRules, attach_inputs, cache_length, crop_to, move_columns, new_cache, select_rows
 from hf_spec.conditioning import Conditioning
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
-from hf_spec.drafting.costs import forward_seconds
 from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table, prefill
 from hf_spec.rows import RaggedBatch
 from hf_spec.settings import warn_once
+from hf_spec.sizing.costs import forward_seconds
 from hf_spec.validation import refuse_unsupported_family
 
 

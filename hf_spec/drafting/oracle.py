@@ -5,7 +5,7 @@ proposes is accepted (acceptance 1.0), or, with ``acceptance=a``, each proposed 
 probability 1 - a (independently; a row's first wrong token ends its accepted run). With ``draft_model`` it also runs
 that model's forward passes each round, so a round costs what a real draft's would (c), while the tokens still come
 from the answer. With these the speed-up that the loop's own overheads leave can be measured at chosen a, k and c
-against the formula (`hf_spec.drafting.speedup`); ``scripts/device_check.py`` does that on a GPU.
+against the formula (`hf_spec.sizing.speedup`); ``scripts/device_check.py`` does that on a GPU.
 
 Its proposal is a point mass, like prompt lookup's, so under sampling it is still exact (the rule accepts the token
 with probability p(x)); it is meant for greedy runs.

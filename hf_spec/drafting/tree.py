@@ -76,7 +76,7 @@ class TreeDrafter(Drafter):
 
     @property
     def growth(self) -> tuple[int, int | None]:
-        """How it grows a tree, for the tree-size chooser's model (`hf_spec.drafting.tree_size`): ``(children per
+        """How it grows a tree, for the tree-size chooser's model (`hf_spec.sizing.tree_size`): ``(children per
         node, nodes expanded per level)``, the second ``None`` when the most promising nodes anywhere grow first."""
         return (4, None)
 

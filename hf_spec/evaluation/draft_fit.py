@@ -8,7 +8,7 @@ the rejection rule accepts the draft's token with probability
 and greedy decoding accepts it when argmax p = argmax q. `evaluate_draft` computes this at every position of given
 continuations (the target's own, from `target_continuations`, or any text), then the expected tokens per target pass
 for each k (from the acceptance along each continuation: 1 + a_t + a_t a_{t+1} + ..., averaged over start positions
-t) and, given a cost ratio, the predicted speed-up (`hf_spec.drafting.speedup`). `measure_draft` runs real
+t) and, given a cost ratio, the predicted speed-up (`hf_spec.sizing.speedup`). `measure_draft` runs real
 speculative generation and reports what happened, for comparison.
 
 What it does not do: train (`hf_spec.evaluation.distill`), or account for processors that keep state between
@@ -27,9 +27,9 @@ from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_spec.compat import decoding_chain
 from hf_spec.drafting import align_vocab
-from hf_spec.drafting.speedup import round_cost
 from hf_spec.evaluation.continuations import with_greedy_default
 from hf_spec.mixin import speculative
+from hf_spec.sizing.speedup import round_cost
 from hf_spec.stats import SpeculativeStats
 from logits_processors import process_block
 

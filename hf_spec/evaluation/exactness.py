@@ -5,6 +5,10 @@ to ``num_tokens - 1`` generated tokens gives the joint law of the first ``num_to
 (`exact_law`). Speculative samples are compared with it by a chi-square test and the total variation
 (`fit_sequences`). The test suite uses these on every processor chain, each with a negative control that must fail;
 ``scripts/device_check.py`` runs a subset on an accelerator.
+
+The negative control they share is `RESAMPLE_FROM_P`, a broken `hf_spec.verification.Verification` passed to
+``generate(verification=...)``: a rejection resamples from p instead of the residual max(0, p - q), which a test of
+enough samples must catch. `broken_rules` builds a test's own broken rules the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from hf_spec.compat import decoding_chain
 from hf_spec.extras import require
 from hf_spec.forward import input_names
+from hf_spec.rejection import accept_draft_tokens, accept_tree, sample_from_weights
 from hf_spec.traversal import traversal_stops
+from hf_spec.verification import TOKEN, Verification
 
 #: Significance level: a correct sampler fails a test with probability 1e-4; a broken one must fail every time.
 ALPHA = 1e-4
@@ -119,3 +125,33 @@ def expected_tree_depths(token_ids: torch.Tensor, parents: list[int], draft_prob
         traversal += passed * stop.chance * (0 if stop.node < 0 else depths[stop.node])
         passed *= 1 - stop.chance
     return node_by_node(-1, target_probs[0].double()), traversal
+
+
+def resample_from_p(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Broken on purpose (a chain rule, as `hf_spec.rejection.accept_draft_tokens`): a rejection resamples from p
+    instead of normalize(max(0, p - q))."""
+    output_ids, num_accepted = accept_draft_tokens(draft_ids, draft_probs, target_probs, generator)
+    for row, j in enumerate(num_accepted.tolist()):
+        if j < draft_ids.shape[1]:
+            output_ids[row, j] = sample_from_weights(target_probs[row, j], generator)
+    return output_ids, num_accepted
+
+
+def tree_resample_from_p(token_ids: torch.Tensor, parents: list[int], draft_probs: torch.Tensor,
+                         target_probs: torch.Tensor, generator: torch.Generator | None = None):
+    """Broken on purpose (a tree rule, as `hf_spec.rejection.accept_tree`): where every child of the path's last
+    node was rejected, the next token comes from p instead of the residual."""
+    path, _ = accept_tree(token_ids, parents, draft_probs, target_probs, generator)
+    last = path[-1] if path else -1
+    return path, sample_from_weights(target_probs[last + 1], generator)
+
+
+def broken_rules(chain=None, tree=None, name: str = "broken") -> Verification:
+    """A `Verification` that runs ``chain`` and ``tree`` where given (the token-wise rules elsewhere): how a
+    statistical test passes a broken rule to ``generate(verification=...)``."""
+    return Verification(chain or TOKEN.chain, tree or TOKEN.tree, name, name)
+
+
+#: The shared negative control: every rejection resamples from p (chains and trees).
+RESAMPLE_FROM_P = broken_rules(resample_from_p, tree_resample_from_p, "resample from p")

@@ -32,9 +32,9 @@ from transformers import PreTrainedModel
 from hf_spec.caches import cache_length, crop_to, select_rows
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
-from hf_spec.drafting.costs import synchronize
 from hf_spec.forward import extend_mask
 from hf_spec.rows import RaggedBatch
+from hf_spec.sizing.costs import synchronize
 
 
 class HeadDrafter(Drafter):

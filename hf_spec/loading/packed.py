@@ -31,12 +31,12 @@ from transformers import PreTrainedModel
 
 from hf_spec.caches import cache_length, crop_to, new_cache
 from hf_spec.checks import check_int, is_int_at_least
-from hf_spec.drafting.costs import forget_costs
-from hf_spec.drafting.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 from hf_spec.forward import position_table
 from hf_spec.loading.cpu import release_freed_memory
 from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 from hf_spec.loading.packed_layer import PACKED_REFUSAL, PackedLinear, packed_linear  # noqa: F401 (re-exported)
+from hf_spec.sizing.costs import forget_costs
+from hf_spec.sizing.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.drafting.costs import seed_costs
-from hf_spec.drafting.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.vocabulary import prune_vocabulary, pruned_size
 from hf_spec.heads.base import DraftHeadBase
@@ -42,6 +40,8 @@ from hf_spec.loading.tiny import (
 )
 from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.mixin import speculative
+from hf_spec.sizing.costs import seed_costs
+from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from hf_spec.validation import is_other_vocabulary
 
 #: The name of the built-in random-weight pair (a character tokenizer, random text).

@@ -9,7 +9,7 @@
 Each example is one position: the target's processed law p and the draft's q over the same vocabulary. The
 acceptance rate is the mean of sum_x min(p(x), q(x)) = 1 - TV(p, q) (with ``greedy=True``: the share of positions
 where argmax p = argmax q); the expected tokens per target pass for each k and the predicted speed-up for a draft /
-target cost ratio follow from it (`hf_spec.drafting.speedup`, positions treated as independent). To compute p and q from
+target cost ratio follow from it (`hf_spec.sizing.speedup`, positions treated as independent). To compute p and q from
 models and text, use `hf_spec.evaluation.draft_fit.evaluate_draft`, which this metric's numbers agree with.
 """
 
@@ -17,8 +17,8 @@ import datasets
 import evaluate
 import torch
 
-from hf_spec.drafting.speedup import expected_tokens, predicted_speedup
 from hf_spec.evaluation.draft_fit import acceptance_probability, greedy_acceptance, total_variation
+from hf_spec.sizing.speedup import expected_tokens, predicted_speedup
 
 _CITATION = """\
 @inproceedings{leviathan2023fast,

@@ -1,4 +1,4 @@
-"""The running estimates the automatic sizers (`hf_spec.drafting.online`) learn from: means that forget, acceptance
+"""The running estimates the automatic sizers (`hf_spec.sizing.online`) learn from: means that forget, acceptance
 per position, and the seconds of draft and target passes.
 
 - `DecayedMean`: a mean with exponential forgetting. `DecayedMean.add_timing` takes a timing clipped to within
@@ -9,7 +9,7 @@ per position, and the seconds of draft and target passes.
   depth), counted with exponential forgetting and shrunk towards the pooled rate of all positions, itself shrunk
   towards a prior;
 - `PassCosts`: seconds of a draft pass (and of its 2-token catch-up beyond that) and of target passes by size, seeded
-  by the cost probe (`hf_spec.drafting.costs`) and then measured; a size not measured yet is interpolated, or
+  by the cost probe (`hf_spec.sizing.costs`) and then measured; a size not measured yet is interpolated, or
   extrapolated with the slope measured so far.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hf_spec.drafting.costs import CostTable, interpolated
+from hf_spec.sizing.costs import CostTable, interpolated
 
 #: A timing more than this many times away from the running estimate counts as this far (`DecayedMean.add_timing`).
 OUTLIER_RATIO = 1.5

@@ -41,7 +41,7 @@ def store_key(target, draft_model, drafter, threads: int) -> str:
 
 
 def load_table(key: str, table_type: type):
-    """The stored table of ``key`` (a `hf_spec.drafting.costs.CostTable`), or ``None`` (none, unreadable, store off)."""
+    """The stored table of ``key`` (a `hf_spec.sizing.costs.CostTable`), or ``None`` (none, unreadable, store off)."""
     folder = store_folder()
     if folder is None or not (folder / f"{key}.json").is_file():
         return None

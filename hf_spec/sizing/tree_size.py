@@ -16,7 +16,7 @@ matching) plus one target pass over N + 1 tokens, plus a draft model's catch-up:
 node the draft never evaluated (one without children: the deepest level, the siblings not expanded), its next first
 pass feeds two tokens (`catch_up_chances`: that happens with chance sum f(v) over those nodes; the premium is the
 probe's 2-token pass over its step, learnt apart from the step as auto k does). `AutoTreeSize` estimates p and the
-costs online as `AutoDraftLength` does (`hf_spec.drafting.online`: forgetting, shrinkage, the probe's costs as a
+costs online as `AutoDraftLength` does (`hf_spec.sizing.online`: forgetting, shrinkage, the probe's costs as a
 start, exploration after rounds without drafting, and the clock overruling the model), and before every round picks
 the N in 0 .. ``max_nodes`` and the branching (the drafter's, or 1: a chain) with the most expected tokens per second.
 Where blocks are expensive it thus drafts a chain, or nothing. Auto k's two rules for thin evidence hold here too:
@@ -35,11 +35,11 @@ import dataclasses
 import heapq
 
 from hf_spec.checks import check_int
-from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.draft_length import HOPE_ERRORS, REACH_ERRORS
-from hf_spec.drafting.estimates import DecayedMean, PositionalAcceptance
-from hf_spec.drafting.online import MAX_CHOSEN, OnlineSizer
 from hf_spec.drafting.tree import DraftTree
+from hf_spec.sizing.base import TreeSizer
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.estimates import DecayedMean, PositionalAcceptance
+from hf_spec.sizing.online import HOPE_ERRORS, MAX_CHOSEN, REACH_ERRORS, OnlineSizer
 
 #: The node budget most with ``num_tree_nodes="auto"``: the probe measures target passes up to this many + 1 tokens.
 DEFAULT_MAX_TREE_NODES = 32
@@ -57,13 +57,15 @@ class TreeChoice:
     branching: int | None = None
 
 
-class FixedTreeSize:
+class FixedTreeSize(TreeSizer):
     """The same budget every round (shallower near ``max_length``)."""
-
-    is_timed = False
 
     def __init__(self, num_nodes: int, max_depth: int):
         self.num_nodes, self.max_depth = check_int("num_tree_nodes", num_nodes), max_depth
+
+    @property
+    def max_drafted(self) -> int:
+        return self.num_nodes
 
     def choose_tree(self, depth_limit: int, growth: tuple[int, int | None]) -> TreeChoice:
         depth = min(self.max_depth, depth_limit)
@@ -163,7 +165,7 @@ def rank_outcomes(parents: list[int], path: list[int]) -> list[tuple[int, int, b
     return outcomes
 
 
-class AutoTreeSize(OnlineSizer):
+class AutoTreeSize(OnlineSizer, TreeSizer):
     """Chooses the node budget and branching before every round from acceptance and costs measured online (see the
     module docstring).
 
@@ -176,7 +178,7 @@ class AutoTreeSize(OnlineSizer):
 
     Attributes:
         chosen, chosen_branching: the budget and branching of the last rounds (up to
-            `hf_spec.drafting.online.MAX_CHOSEN`), across calls when reused.
+            `hf_spec.sizing.online.MAX_CHOSEN`), across calls when reused.
     """
 
     def __init__(self, max_nodes: int = DEFAULT_MAX_TREE_NODES, max_depth: int = 10, initial: int = 4,
@@ -193,6 +195,10 @@ class AutoTreeSize(OnlineSizer):
         self._probed_passes: dict[int, float] = {}  # the probe's draft passes by width, seeding tree_step once
         self._seed_weight = 0.0
         self.chosen_branching: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)
+
+    @property
+    def max_drafted(self) -> int:
+        return self.max_nodes
 
     def start_from(self, costs: CostTable, weight: float = 4.0, catch_up: bool = True) -> None:
         super().start_from(costs, weight, catch_up)

@@ -21,9 +21,9 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from hf_spec.caches import cache_length, crop_to, new_cache, reads_encoder_outputs
-from hf_spec.drafting.cost_store import load_table, save_table, store_key
-from hf_spec.drafting.speedup import predicted_speedup
 from hf_spec.forward import input_names, position_table
+from hf_spec.sizing.cost_store import load_table, save_table, store_key
+from hf_spec.sizing.speedup import predicted_speedup
 
 #: Tokens of random context before the timed passes (costs grow slowly with the cache length).
 PROBE_PREFIX_LENGTH = 32
@@ -128,7 +128,7 @@ def probe_costs(target: PreTrainedModel, drafter, block_sizes: tuple[int, ...], 
                 draft_widths: tuple[int, ...] = (1,)) -> CostTable:
     """`measure_costs` for target passes over ``block_sizes`` tokens after up to `PROBE_PREFIX_LENGTH` random ids,
     once per (target, the drafter's `Drafter.cost_key`, dtypes, devices, threads) in this process, and kept on disk
-    for later processes (`hf_spec.drafting.cost_store`).
+    for later processes (`hf_spec.sizing.cost_store`).
 
     The table grows: a call that needs sizes (or draft widths) not measured yet times only those, with the target
     step (and the draft step) again to scale them onto the table, so a short call then a longer one do not probe the

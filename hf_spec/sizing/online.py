@@ -1,7 +1,7 @@
 """What the automatic sizers learn during a call, shared by ``num_assistant_tokens="auto"`` (`AutoDraftLength`) and
 ``num_tree_nodes="auto"`` (`AutoTreeSize`).
 
-- `PositionalAcceptance` and `PassCosts` (`hf_spec.drafting.estimates`): acceptance per position, and the seconds
+- `PositionalAcceptance` and `PassCosts` (`hf_spec.sizing.estimates`): acceptance per position, and the seconds
   of draft and target passes, seeded by the cost probe and then measured;
 - `Exploration`: after rounds without drafting, one round drafts a single token so the acceptance estimate can
   recover; each exploration that does not bring drafting back doubles the wait;
@@ -19,8 +19,8 @@ import collections
 import logging
 
 from hf_spec.checks import check_int
-from hf_spec.drafting.costs import CostTable
-from hf_spec.drafting.estimates import DecayedMean, PassCosts, PositionalAcceptance
+from hf_spec.sizing.costs import CostTable
+from hf_spec.sizing.estimates import DecayedMean, PassCosts, PositionalAcceptance
 
 #: The longest wait between exploration rounds once explorations keep failing.
 MAX_EXPLORE_EVERY = 128
@@ -32,6 +32,11 @@ MAX_CHOSEN = 10_000
 CLOCK_MARGIN = 0.9
 #: A clock veto holds until the cost model's predicted gain from drafting is this many times the gain it refuted.
 RETEST_GAIN = 1.15
+#: Where no size pays at the estimated acceptance, one token while it would pay at this many standard errors above it.
+HOPE_ERRORS = 1.0
+#: One position deeper where it would pay at this many standard errors above the estimate at the first position not
+#: drafted (rounds that stop short never observe it, and its estimate leans on the pooled rate).
+REACH_ERRORS = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +140,11 @@ class OnlineSizer:
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 (once the call's timings agree)
         self.has_costs = False
         self.chosen: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)  # tokens drafted, last rounds
+
+    @property
+    def needs_costs(self) -> bool:
+        """Whether the cost probe has not seeded it yet (`start_from`)."""
+        return not self.has_costs
 
     def start_from(self, costs: CostTable, weight: float = 4.0, catch_up: bool = True) -> None:
         """Seed the costs with measured ones: the draft step and the machine's speed are each worth ``weight`` online

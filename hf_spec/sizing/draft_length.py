@@ -1,7 +1,7 @@
 """How many tokens to draft each round: a fixed k, or the k that maximizes expected emitted tokens per second.
 
 `FixedDraftLength` drafts the same k every round (fewer near ``max_length``). `AutoDraftLength`: a round that drafts k
-tokens emits E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1} in expectation (`hf_spec.drafting.speedup`) and
+tokens emits E[tokens](k) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1} in expectation (`hf_spec.sizing.speedup`) and
 costs k draft steps plus one target pass over k + 1 tokens. `AutoDraftLength` estimates both online, during the call,
 and picks ``argmax_k E[tokens](k) / (k * draft_step_seconds + block_seconds(k + 1) + P(k) * catch_up_seconds)``
 before every round, where P(k) = a_0 ... a_{k-1} is the chance that the round is accepted in full, after which the
@@ -30,11 +30,11 @@ first positions dominate; on code acceptance rises with the position, so without
 after a hard stretch stayed there (AMX, code, sampled: two calls of six). The clock has
 the last word: once rounds that drafted have measurably emitted fewer tokens per second than plain target steps, k is
 0 until explorations raise the cost model's case for drafting well above the case the clock refuted; then drafting is
-measured again. What is learnt, and how, is `hf_spec.drafting.online`. `start_from` seeds the
-costs with measured ones (`hf_spec.drafting.costs.probe_costs`, which speculative ``generate()`` runs once per process
+measured again. What is learnt, and how, is `hf_spec.sizing.online`. `start_from` seeds the
+costs with measured ones (`hf_spec.sizing.costs.probe_costs`, which speculative ``generate()`` runs once per process
 for ``"auto"``): the first rounds are then chosen from them, and where even a draft accepted every time could not beat a
 plain step (`CostTable.best_possible_speedup` below 1), it says so in a warning and decodes with k = 0 once the
-call's first draft timings have confirmed the probe (`hf_spec.drafting.estimates`).
+call's first draft timings have confirmed the probe (`hf_spec.sizing.estimates`).
 With a model-free drafter (prompt lookup) draft steps cost nothing and only the block cost limits k.
 
 No state outlives a ``generate()`` call unless you pass your own instance, ``num_assistant_tokens=AutoDraftLength()``,
@@ -44,17 +44,14 @@ to several calls: then it starts each call from what the previous ones measured 
 from __future__ import annotations
 
 from hf_spec.checks import check_int
-from hf_spec.drafting.online import OnlineSizer
-from hf_spec.drafting.speedup import expected_tokens, fully_accepted
+from hf_spec.sizing.base import ChainSizer
+from hf_spec.sizing.online import HOPE_ERRORS, REACH_ERRORS, OnlineSizer
+from hf_spec.sizing.speedup import expected_tokens, fully_accepted
 
 #: k when neither the call nor the draft's generation config sets ``num_assistant_tokens``.
 DEFAULT_NUM_DRAFT_TOKENS = 5
 #: Drafted tokens per round at most with ``num_assistant_tokens="auto"``, unless the caller says otherwise.
 DEFAULT_MAX_DRAFT_TOKENS = 10
-#: Where no k pays at the estimated acceptance, k = 1 while it would pay at this many standard errors above it.
-HOPE_ERRORS = 1.0
-#: Draft k + 1 where it would pay at this many standard errors above the estimate at position k (the first not drafted).
-REACH_ERRORS = 0.5
 
 
 def draft_length_rates(acceptance: list[float], draft_step_seconds: float, block_seconds: list[float],
@@ -81,13 +78,15 @@ def best_draft_length(acceptance: list[float], draft_step_seconds: float, block_
     return max(range(len(rates)), key=rates.__getitem__)
 
 
-class FixedDraftLength:
+class FixedDraftLength(ChainSizer):
     """The same k every round, fewer when fewer tokens are left before ``max_length``."""
-
-    is_timed = False  # nothing to learn from timings
 
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = check_int("num_assistant_tokens", num_draft_tokens)
+
+    @property
+    def max_drafted(self) -> int:
+        return self.num_draft_tokens
 
     def choose(self, limit: int) -> int:
         return min(self.num_draft_tokens, limit)
@@ -97,15 +96,18 @@ class FixedDraftLength:
         """Nothing to learn."""
 
 
-class HeuristicDraftLength:
+class HeuristicDraftLength(ChainSizer):
     """transformers' "heuristic" schedule: start from k; after a round whose draft every row accepted in full, k + 2,
     otherwise k - 1 (at least 1). It starts again at every call (transformers' "heuristic_transient"; its
     "heuristic" writes k into the draft's config to carry it to the next call, which hf_spec does not do)."""
 
-    is_timed = False
-
     def __init__(self, num_draft_tokens: int):
         self.initial = self.num_draft_tokens = check_int("num_assistant_tokens", num_draft_tokens)
+
+    @property
+    def max_drafted(self) -> int:
+        """No largest k of its own: every round is capped at `DEFAULT_MAX_DRAFT_TOKENS` where a bound is needed."""
+        return DEFAULT_MAX_DRAFT_TOKENS
 
     def choose(self, limit: int) -> int:
         return min(self.num_draft_tokens, limit)
@@ -118,7 +120,7 @@ class HeuristicDraftLength:
         self.num_draft_tokens = self.num_draft_tokens + 2 if is_full else max(1, self.num_draft_tokens - 1)
 
 
-class AutoDraftLength(OnlineSizer):
+class AutoDraftLength(OnlineSizer, ChainSizer):
     """Chooses k before every round from acceptance and costs measured online (see the module docstring).
 
     Args:
@@ -129,7 +131,7 @@ class AutoDraftLength(OnlineSizer):
         explore_every: after this many rounds at k = 0 (fewer early on), draft one token once.
 
     Attributes:
-        chosen: k of the last rounds (up to `hf_spec.drafting.online.MAX_CHOSEN`), across calls when reused.
+        chosen: k of the last rounds (up to `hf_spec.sizing.online.MAX_CHOSEN`), across calls when reused.
     """
 
     def __init__(self, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, initial: int = 4,
@@ -138,6 +140,10 @@ class AutoDraftLength(OnlineSizer):
         super().__init__(max_draft_tokens, max_draft_tokens + 1, min(check_int("initial", initial, minimum=0),
                                                                      max_draft_tokens),
                          prior_acceptance, prior_weight, decay, explore_every)
+
+    @property
+    def max_drafted(self) -> int:
+        return self.max_draft_tokens
 
     def acceptance(self) -> list[float]:
         """Estimated P(accepted | reached) per block position."""
