@@ -56,6 +56,8 @@ from hf_spec.compat import records_recurrent_states
 
 #: The widest pass a draft model's cache must be able to roll back by default: a step, or a 2-token catch-up.
 DRAFT_PASS_TOKENS = 2
+#: The fewest positions of a static cache hf_spec makes for a call (`static_cache_size`).
+MIN_STATIC_CACHE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,3 +320,37 @@ def check_tree_cache(cache: Cache, argument: str) -> None:
         raise ValueError(f"Tree drafts keep the accepted path's entries of `{argument}`, which needs plain "
                          f"DynamicLayer or StaticLayer layers, but it has {', '.join(kinds)}; use a chain of drafts "
                          "(leave `num_tree_nodes` unset) with this model.")
+
+
+def static_cache_length(batch_size: int, prompt_length: int, max_length: int, max_drafted: int) -> int:
+    """Positions a static cache needs for a call: a verify pass writes up to ``max_drafted`` positions after the
+    committed ones, and in a batch every round may add holes (`hf_spec.rows`): the model view grows by up to
+    ``max_drafted + 1`` columns a round, for at most ``max_length - prompt_length`` rounds (every row gains a token
+    each round)."""
+    if batch_size == 1:
+        return max_length + max_drafted + 1
+    return prompt_length + (max_length - prompt_length) * (max_drafted + 1) + max_drafted + 1
+
+
+def static_cache_size(needed: int) -> int:
+    """Positions of a static cache made for a call that needs ``needed``: the next power of two, at least
+    `MIN_STATIC_CACHE`. Compiled passes have the cache's size in their shapes (the mask spans it), so calls whose
+    prompts differ in length share their graphs instead of compiling new ones (four minutes a prompt for the 1.5B
+    target on a CPU); a decode step's attention over the unused slots costs little beside its weights."""
+    return max(MIN_STATIC_CACHE, 1 << (needed - 1).bit_length())
+
+
+def sized_static_cache(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, max_length: int,
+                       max_cache_len: int | None, max_drafted: int) -> Cache:
+    """A static cache that holds every position the call may write (`static_cache_length`), of a size that
+    depends on this call only: ``max_cache_len`` when the user set one that large, else the needed length rounded
+    up (`static_cache_size`: calls of other prompt lengths reuse their compiled graphs). transformers sizes a
+    fresh one for ``max_length`` (or for an earlier call's larger size), so it is made again when its size
+    differs; a filled one (passed as ``cache=``) is kept (`hf_spec.validation.check_static_cache` refused it where
+    too small). A dynamic cache is returned as it is."""
+    length = static_length(cache)
+    if length is None or cache_length(cache) > 0:
+        return cache
+    needed = static_cache_length(input_ids.shape[0], input_ids.shape[1], max_length, max_drafted)
+    size = max_cache_len if max_cache_len is not None and max_cache_len >= needed else static_cache_size(needed)
+    return cache if length == size else new_cache(model, size)

@@ -35,10 +35,10 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from hf_spec.caches import (
     attach_inputs,
-    check_cache_rows,
     fit_prompt,
     model_type,
     prepare_for_rollback,
+    sized_static_cache,
     static_length,
 )
 from hf_spec.compat import (
@@ -53,17 +53,9 @@ from hf_spec.conditioning import Conditioning, media_inputs, split_model_kwargs
 from hf_spec.decoding import speculative_decode
 from hf_spec.forward import prefill
 from hf_spec.outputs import generate_output
-from hf_spec.plan import CallOptions, check_tree_nodes, plan_call, sized_static_cache, user_settings
+from hf_spec.plan import CallOptions, greedy_at_zero_temperature, plan_call, user_settings
 from hf_spec.rounds import Rounds
-from hf_spec.validation import (
-    refuse_unsupported,
-    validate_generator,
-    validate_input_types,
-    validate_input_values,
-    validate_sampling_settings,
-)
-from hf_spec.verification import resolve_verification
-from logits_processors import check_processors
+from hf_spec.validation import Call, check_call
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +67,11 @@ warn_if_untested()
 
 @dataclasses.dataclass
 class _Call:
-    """The current ``generate()`` call's hf_spec options, and the plan resolved from them."""
+    """The current ``generate()`` call's hf_spec options, what it was given (checked), and the plan resolved."""
 
     options: CallOptions
     rounds: Rounds | None = None
+    facts: Call | None = None  # None where the argument rules did not run (a ``custom_generate`` recipe's own call)
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_spec_call", default=None)
@@ -103,39 +96,38 @@ class SpeculativeGenerationMixin(GenerationMixin):
     """
 
     def generate(self, inputs=None, generation_config=None, *args, generator: torch.Generator | None = None,
-                 num_tree_nodes: Any = None, verification: str | None = None, **kwargs):
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"`generator` must be a torch.Generator, but is {type(generator).__name__}.")
-        if num_tree_nodes is not None:
-            check_tree_nodes(num_tree_nodes)
-            kwargs["num_tree_nodes"] = num_tree_nodes
-        if verification is not None:
-            kwargs["verification"] = resolve_verification(verification)
+                 num_tree_nodes: Any = None, verification: Any = None, **kwargs):
+        ours = {"generator": generator, "num_tree_nodes": num_tree_nodes, "verification": verification}
         if isinstance(kwargs.get("custom_generate"), str):  # transformers hands every argument to the recipe, which
-            if generator is not None:  # calls this method again: hf_spec's own arguments go along with the rest
-                kwargs["generator"] = generator
-            return super().generate(*_positional(inputs, generation_config, args), **kwargs)
+            return super().generate(*_positional(inputs, generation_config, args),  # calls this method again
+                                    **kwargs, **{name: value for name, value in ours.items() if value is not None})
+        kwargs.update({name: value for name, value in ours.items() if name != "generator" and value is not None})
         settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
         kwargs.pop("num_tree_nodes", None), kwargs.pop("verification", None)  # transformers would keep them
+        call = None
         if "custom_generate" not in kwargs and id(self) not in _WITHOUT_SPECULATION.get():
             merged = merged_generation_config(self, generation_config, kwargs)
             if kwargs.get("assistant_model") is not None or _is_our_prompt_lookup(merged):
-                # before transformers' own handling, which fails on these without naming the argument
-                if self.config.is_encoder_decoder:  # the decoder's prompt; the encoder reads `inputs`
-                    if kwargs.get("decoder_input_ids") is not None:
-                        validate_input_types(kwargs["decoder_input_ids"], kwargs.get("decoder_attention_mask"),
-                                             "decoder_")
-                else:
-                    validate_input_types(inputs if inputs is not None else kwargs.get("input_ids"),
-                                         kwargs.get("attention_mask"))
-                refuse_unsupported(self, merged, {name: kwargs[name] for name in ("tokenizer", "assistant_tokenizer")
-                                                  if kwargs.get(name) is not None}, settings)
-        token = _CALL.set(_Call(CallOptions(generator=generator, settings=settings, media=media_inputs(self, kwargs))))
+                # every rule on the arguments, once, before transformers' own handling (which fails on some of them
+                # without naming the argument)
+                call = self._call_facts(inputs, merged, settings, generator, kwargs)
+                check_call(call, "arguments")
+        options = CallOptions(generator=generator, settings=settings, media=media_inputs(self, kwargs))
+        token = _CALL.set(_Call(options, facts=call))
         try:
             with forgetting_output_capture(self):
                 return super().generate(*_positional(inputs, generation_config, args), **kwargs)
         finally:
             _CALL.reset(token)
+
+    def _call_facts(self, inputs, merged, settings: dict, generator, kwargs: dict) -> Call:
+        """What the call was given, for `hf_spec.validation.check_call`."""
+        prefix = "decoder_" if self.config.is_encoder_decoder else ""  # the decoder's prompt; the encoder reads inputs
+        input_ids = kwargs.get(f"{prefix}input_ids")
+        if not prefix and inputs is not None:
+            input_ids = inputs
+        return Call(self, merged, settings, generator, kwargs.get("assistant_model"), kwargs.get("tokenizer"),
+                    kwargs.get("assistant_tokenizer"), input_ids, kwargs.get(f"{prefix}attention_mask"), prefix)
 
     def _is_speculating(self, assistant_model, generation_config) -> bool:
         """Whether this call runs hf_spec's loop: a draft or our prompt lookup, and not `without_speculation`."""
@@ -151,8 +143,12 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 raise ValueError("`generator`, `num_tree_nodes` and `verification` are used by speculative decoding "
                                  "only; pass `assistant_model=` (or `prompt_lookup_num_tokens=`) too.")
             return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
-        refuse_unsupported(self, generation_config, generation_mode_kwargs, call.options.settings)
-        validate_sampling_settings(generation_config)
+        if call.facts is None:  # a call that reached transformers without hf_spec's generate(): its arguments now
+            call.facts = Call(self, generation_config, call.options.settings, call.options.generator, draft,
+                              generation_mode_kwargs.get("tokenizer"),
+                              generation_mode_kwargs.get("assistant_tokenizer"), has_inputs=False)
+            check_call(call.facts, "arguments")
+        greedy_at_zero_temperature(generation_config)
         call.rounds = plan_call(draft, generation_config, call.options, (generation_mode_kwargs.get("tokenizer"),
                                                                          generation_mode_kwargs.get("assistant_tokenizer")))
         # transformers' own assistant checks (tokenizer rules of universal assisted decoding) do not apply here.
@@ -199,37 +195,20 @@ class SpeculativeGenerationMixin(GenerationMixin):
 
     def _check_assisted_call(self, input_ids, generation_config, synced_gpus, streamer, rounds: Rounds,
                              logits_processor, model_kwargs, conditioning: Conditioning):
-        """``(target cache, pad id)`` once everything the loop cannot do exactly has been refused by name."""
-        if synced_gpus:
-            raise ValueError("`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP) is not supported with `assistant_model`.")
-        batch_size = input_ids.shape[0]
-        pad_token = pad_token_tensor(generation_config)
-        if batch_size > 1 and pad_token is None:
-            raise ValueError(
-                f"A batch of {batch_size} rows needs `pad_token_id` (finished rows are padded with it), but neither "
-                "`pad_token_id` nor `eos_token_id` is set; pass `pad_token_id=` to generate()."
-            )
-        if batch_size > 1 and streamer is not None:
-            raise ValueError(f"`streamer` supports a batch of one row, but `input_ids` has {batch_size} rows.")
-        validate_input_types(input_ids, conditioning.decoder_mask)
-        vocab_size = self.config.get_text_config(decoder=True).vocab_size
-        validate_input_values(input_ids, conditioning.decoder_mask, vocab_size)
-        validate_generator(_current_call().options.generator, self)
-        rounds.drafter.check(self, generation_config.max_length)
-        check_processors(logits_processor)
-        target_cache = model_kwargs.get("cache")
-        if target_cache is None:
-            raise ValueError(f"The model {model_type(self)} made no cache for generate() to hand over (it builds a "
-                             "cache of its own inside its forward pass), and speculative decoding rolls the cache back "
-                             "after every round; hf_spec cannot speculate with this model.")
+        """``(target cache, pad id)``: every rule on what transformers prepared, once (`hf_spec.validation`), then
+        the cache made ready to roll back, of the size the call needs."""
+        facts = dataclasses.replace(
+            _current_call().facts, generation_config=generation_config, input_ids=input_ids,
+            attention_mask=conditioning.decoder_mask, rounds=rounds, processors=logits_processor,
+            cache=model_kwargs.get("cache"), streamer=streamer, synced_gpus=synced_gpus)
+        check_call(facts, "prepared")
+        target_cache = facts.cache
         max_pass = rounds.max_pass(generation_config.max_length - input_ids.shape[1])
         prepare_for_rollback(target_cache, "cache", max_pass + 1, model_type(self))
-        if self.config.is_encoder_decoder and compile_config_of(generation_config, target_cache) is not None:
-            raise ValueError(f"`compile_config` with an encoder-decoder model ({type(self).__name__}) is not "
-                             "supported by hf_spec: its static cache runs eagerly; leave `compile_config` unset.")
-        target_cache = sized_static_cache(self, target_cache, input_ids, generation_config, max_pass)
-        check_cache_rows(target_cache, batch_size, "cache")
+        target_cache = sized_static_cache(self, target_cache, input_ids, generation_config.max_length,
+                                          generation_config.max_cache_len, max_pass)
         fit_prompt(target_cache, input_ids.shape[1])
+        pad_token = pad_token_tensor(generation_config)
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
 
     def __reduce__(self):

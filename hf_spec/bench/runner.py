@@ -48,12 +48,13 @@ from hf_spec.bench.report import KERNEL_BASELINES, Run, first_calls, summarize, 
 from hf_spec.checks import check_int
 from hf_spec.compiled import compiled_forward
 from hf_spec.drafting.base import Drafter
+from hf_spec.drafting.cross_tokenizer import CrossTokenizerDrafter
 from hf_spec.evaluation.continuations import count_new_tokens, seeded
 from hf_spec.loading.packed import cpu_path
 from hf_spec.loading.quantization import quantization_of
 from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative
-from hf_spec.plan import cross_tokenizer_drafter, make_drafter
+from hf_spec.plan import make_drafter
 from hf_spec.rounds import chain_draft_widths
 from hf_spec.sizing.costs import measure_costs, probe_costs, probe_sizes
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
@@ -202,7 +203,7 @@ class _Plan:
     def drafter(self, draft) -> Drafter:
         """The drafter hf_spec makes of ``draft`` in these calls (for the cost probes)."""
         if self.draft_kwargs:
-            return cross_tokenizer_drafter(draft, tuple(self.draft_kwargs.values()), False, None)
+            return CrossTokenizerDrafter(draft, *self.draft_kwargs.values())
         return make_drafter(draft)
 
 

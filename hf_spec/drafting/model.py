@@ -12,7 +12,7 @@ from hf_spec.forward import extend_mask, forward_missing, model_column_rules, po
 from hf_spec.rows import RaggedBatch
 from hf_spec.settings import warn_once
 from hf_spec.sizing.costs import forward_seconds
-from hf_spec.validation import refuse_unsupported_family
+from hf_spec.support import refuse_unsupported_family
 
 
 class ModelDrafter(Drafter):

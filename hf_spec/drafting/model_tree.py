@@ -11,7 +11,7 @@ from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
 from hf_spec.drafting.model import ModelDrafter
 from hf_spec.forward import forward_tree
 from hf_spec.rows import RaggedBatch
-from hf_spec.validation import refuse_tree_without_positions
+from hf_spec.support import refuse_tree_without_positions
 
 
 class ModelTreeDrafter(ModelDrafter, BranchingTreeDrafter):
