@@ -104,7 +104,7 @@ SETTINGS: dict[str, Treatment] = {
         HONOURED, "with a static cache, the target's verify passes and a draft model's steps run compiled "
         "(`torch.compile` with its mode, backend and fullgraph; widths padded to a few sizes, `hf_spec.compiled`); "
         "without one (`cache_implementation='static'`, or a static cache passed as `cache=`) it is refused before any "
-        "pass (`hf_spec.plan.sized_static_cache`)"),
+        "pass (`hf_spec.validation.check_cache`)"),
     "disable_compile": Treatment(HONOURED, "no pass is compiled, whatever `compile_config` says"),
     "continuous_batching_config": Treatment(TRANSFORMERS, "`cache_implementation='paged'` switches to transformers' "
                                             "continuous batching, which refuses an assistant model"),

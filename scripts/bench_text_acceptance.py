@@ -1,7 +1,7 @@
 """The draft's acceptance on the very texts each method of an `hf-spec bench` run wrote (teacher-forced).
 
-    python scripts/bench_text_acceptance.py benchmarks/2026-12-05-amx/auto_trees_code.json --offset 4 \
-        --output-dir benchmarks/2026-12-05-amx/texts
+    python scripts/bench_text_acceptance.py benchmarks/amx-intel/2026-12-05-auto_trees_code.json --offset 4 \
+        --output-dir benchmarks/amx-intel/2026-12-05-texts
 
 With sampling every method writes its own texts, so a method's speed-up mixes its policy (which k, which tree) with
 how easy its texts happened to be for the draft. This script scores each (workload, setting, method)'s texts with

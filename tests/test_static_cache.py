@@ -30,10 +30,9 @@ import hf_spec.compiled
 import hf_spec.forward
 import hf_spec.rounds
 from hf_spec import speculative, without_speculation
-from hf_spec.caches import static_length
+from hf_spec.caches import static_cache_size, static_length
 from hf_spec.evaluation.exactness import fit_sequences
 from hf_spec.loading.packed import optimize
-from hf_spec.plan import static_cache_size
 
 DRAFTING = {
     "chain k3": {"num_assistant_tokens": 3},

@@ -134,7 +134,7 @@ def test_tree_rule_refuses_a_malformed_tree():
 
 NUM_TOKENS = 3
 # 2,000 per case in the suite (one generate() call per sample, about 7 ms each); the n = 20,000 run of these cases is
-# `HF_SPEC_TREE_SAMPLES=20000 pytest tests/test_trees.py -k generate -rA` (benchmarks/2026-12-01/).
+# `HF_SPEC_TREE_SAMPLES=20000 pytest tests/test_trees.py -k generate -rA` (benchmarks/avx512-bf16-amd/2026-12-01-).
 GENERATE_SAMPLES = int(os.environ.get("HF_SPEC_TREE_SAMPLES", "2000"))
 PROMPT = torch.tensor([[1, 3, 2, 1, 3]])
 
