@@ -4,11 +4,12 @@
     >>> model = speculative(target)  # same object, generate() now speculates exactly
     >>> model.generate(**inputs, assistant_model=draft, do_sample=True, temperature=0.7)
 
-The algorithm sits at the top of the package (mixin, plan, validation, decoding, rounds, rejection, traversal, rows,
-caches, conditioning, forward, stats, outputs, recording, compat) with `hf_spec.drafting` (the drafters and how much to
-draft). The tools sit in folders beside it and import the algorithm, never the other way round: `hf_spec.heads`
-(draft heads: EAGLE-style, and EAGLE-3 in the speculators format), `hf_spec.loading` (models, CPU kernels,
-quantization), `hf_spec.evaluation` (draft fit, distillation, texts, the model zoo), `hf_spec.bench`, `hf_spec.cli`.
+The algorithm sits at the top of the package (mixin, validation, plan, decoding, rounds, verification, rejection,
+traversal, rows, caches, conditioning, forward, stats, outputs, recording, compat) with `hf_spec.drafting` (the
+drafters) and `hf_spec.sizing` (how much to draft). The tools sit in folders beside it and import the algorithm, never
+the other way round: `hf_spec.heads` (draft heads: EAGLE-style, and EAGLE-3 in the speculators format),
+`hf_spec.loading` (models, CPU kernels, quantization), `hf_spec.evaluation` (draft fit, distillation, texts, the model
+zoo), `hf_spec.bench`, `hf_spec.cli`.
 The acceptance rules' pure functions are in `hf_spec.rejection` and `hf_spec.traversal` (trees).
 """
 

@@ -242,7 +242,7 @@ class Rounds(abc.ABC):
 
     @property
     def max_drafted(self) -> int:
-        """The most tokens a round may draft (what a static cache is sized for, `hf_spec.plan.static_cache_length`)."""
+        """The most tokens a round may draft (what a static cache is sized for, `hf_spec.caches.static_cache_length`)."""
         return self.sizer.max_drafted
 
     def max_pass(self, max_new_tokens: int) -> int:
@@ -277,7 +277,7 @@ class Rounds(abc.ABC):
         self.drafter.match_cache(static_length(target_cache))
         self.drafter.reset()
         self.drafter.condition(conditioning or Conditioning(), batch.model_ids, batch.model_mask)
-        # a static cache holds what `max_drafted` allows (`hf_spec.plan.static_cache_length`), and recurrent layers
+        # a static cache holds what `max_drafted` allows (`hf_spec.caches.static_cache_length`), and recurrent layers
         # record the states of that many tokens a pass (`hf_spec.caches.prepare_for_rollback`): no round drafts more
         is_bounded = static_length(target_cache) is not None or not batch.rules.allows_holes
         self.draft_cap = self.max_drafted if is_bounded else None

@@ -1,9 +1,10 @@
 """The fastest CPU forward path for a model, chosen by measurement: linear layers prepacked for oneDNN, and per pass
 either torch's own kernels or oneDNN for the rest, by the number of rows in the pass (figures: docs/cpu_kernels.md).
 
-Why: on an AVX512-BF16 CPU a 1-token bf16 step runs 1.7x faster through torch's own kernels than through oneDNN, and
-a 6-token block 2.4x slower; with the linear weights prepacked (``torch.ops.mkldnn._reorder_linear_weight``, run by
-``_linear_pointwise``, as inductor's CPU freezing does) a 6-token block costs about one step. AVX2: float32 only.
+Why: on a CPU with native bf16, torch's own kernels stream the weights for a 1-token step faster than oneDNN, and run
+a block of several tokens far slower; with the linear weights prepacked (``torch.ops.mkldnn._reorder_linear_weight``,
+run by ``_linear_pointwise``, as inductor's CPU freezing does) a block of a few tokens costs about one step. AVX2:
+float32 only.
 
 Paths (`PATHS`): ``stock``: the weights as loaded, oneDNN wherever torch sends them (what transformers does); ``dense``:
 the weights as loaded, passes of few rows with oneDNN switched off, blocks with it on; ``packed``: the linear weights

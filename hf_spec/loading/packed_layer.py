@@ -31,8 +31,8 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # restored by `to_linear`: with requires_grad=False, torch 2.13's oneDNN bf16 matmul of 3 or more rows was
-        # 6x slower here (470 ms against 76 ms for 3 tokens of the 0.5B draft)
+        # restored by `to_linear`: with requires_grad=False, torch 2.13's oneDNN bf16 matmul of 3 or more rows takes a
+        # far slower kernel (docs/cpu_kernels.md)
         self.weight_requires_grad = linear.weight.requires_grad
         # parameters, not trained (`train` is refused): `parameters()` lists every weight, as before packing
         self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()), requires_grad=False)

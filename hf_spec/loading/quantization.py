@@ -21,8 +21,8 @@ Which CPU matters for 4-bit layers. bitsandbytes has two CPU paths:
   (`bitsandbytes.functional._convert_weight_packed_for_cpu`), which computes in bf16 whatever the compute dtype and
   needs ``in_features`` a multiple of the block size (64) and ``out_features`` a multiple of 32. Any other shape
   crashes mid-forward with a reshape error and leaves that layer half converted.
-- **AVX2 only**: every forward dequantizes the weights (slow: a 1-token nf4 step of the 1.5B target costs 1.74 s
-  against 0.28 s in bf16), any shape.
+- **AVX2 only**: every forward dequantizes the weights (slow: several times a bf16 step, docs/quantization.md), any
+  shape.
 
 `check_quantizable` refuses, before anything is quantized, a model whose layers the first path cannot take on this
 CPU, naming the layer and its size. 8-bit layers have no such limit.

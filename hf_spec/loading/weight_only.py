@@ -28,8 +28,8 @@ WEIGHT_ONLY_SCHEMES = ("int8", "int4")
 #: Inputs per int4 group (a scale and a zero point each): torch's CPU kernel takes 32, 64, 128 or 256.
 INT4_GROUP = 32
 #: From this many rows on (a prompt's pass), an int8 layer multiplies by its int8 weight cast to the activations' dtype
-#: and scales the result: torch's int8 kernel is tuned for a few rows (a 150-row pass of a 8960 x 1536 layer: 29 ms,
-#: against 11 ms this way, AMD EPYC AVX512-BF16).
+#: and scales the result: torch's int8 kernel is tuned for a few rows, and a prompt's pass of many rows runs faster
+#: through the dense matmul (docs/quantization.md).
 DENSE_ROWS = 16
 
 

@@ -27,7 +27,7 @@ position's estimate, k = 1: one early rejection must not switch drafting off whi
 one position further: where k + 1 would pay at `REACH_ERRORS` standard errors above position k's estimate, k + 1 is
 drafted. Rounds that stop at k never observe position k, whose estimate then leans on the pooled rate, which the
 first positions dominate; on code acceptance rises with the position, so without this a call that fell to k = 1 or 2
-after a hard stretch stayed there (AMX, code, sampled: two calls of six). The clock has
+after a hard stretch would stay there. The clock has
 the last word: once rounds that drafted have measurably emitted fewer tokens per second than plain target steps, k is
 0 until explorations raise the cost model's case for drafting well above the case the clock refuted; then drafting is
 measured again. What is learnt, and how, is `hf_spec.sizing.online`. `start_from` seeds the

@@ -56,8 +56,8 @@ class DecayedMean:
         machine is noise, and would otherwise move the choice for many rounds.
 
         But a seed can be wrong: the probe runs once per process, and one that timed the draft in a slow phase of the
-        machine (2.5x its step, once on AVX2) came down by at most 7% a round under clipping, which kept auto k at
-        plain steps for a third of a call. So if the first `SHIFT_EVIDENCE` timings after a seed, each divided by
+        machine would come down only slowly under clipping, keeping auto k at plain steps for much of a call. So if
+        the first `SHIFT_EVIDENCE` timings after a seed, each divided by
         ``scale`` (the machine's speed against the probe's in that round, from the target's pass), all lie beyond
         `OUTLIER_RATIO` of it on the same side, the seed gives way: the estimate restarts from them. A phase that
         slows both models alike is not a wrong seed (the ratio of their costs, which decides k, holds), and later
