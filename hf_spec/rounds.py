@@ -242,7 +242,7 @@ class Rounds(abc.ABC):
 
     @property
     def max_drafted(self) -> int:
-        """The most tokens a round may draft (what a static cache is sized for, `hf_spec.caches.static_cache_length`)."""
+        """The most tokens a round may draft (what a static cache is sized for, `caches.static_cache_length`)."""
         return self.sizer.max_drafted
 
     def max_pass(self, max_new_tokens: int) -> int:

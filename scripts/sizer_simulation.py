@@ -1,7 +1,7 @@
 """Auto k against every fixed k on a simulated pair, with and without phases of a slower machine.
 
-    python scripts/sizer_simulation.py --calls 150 --output benchmarks/simulation/2026-12-02f-sizer_simulation.json
-    python scripts/sizer_simulation.py --calls 150 --catch-up 0.7 --output benchmarks/avx2-amd/2026-12-03b-catch_up_0.7.json
+    python scripts/sizer_simulation.py --calls 150 --output sizer_simulation.json
+    python scripts/sizer_simulation.py --calls 150 --catch-up 0.7 --output catch_up_0.7.json
 
 No model runs: a round's accepted count is drawn (i.i.d. acceptance ``a`` per drafted token), a draft step costs ``c``
 target steps and a target pass over m tokens ``1 + 0.03 (m - 1)``, each timing times a uniform factor in [0.9, 1.1].
