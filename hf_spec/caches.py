@@ -82,7 +82,8 @@ def new_cache(model: PreTrainedModel, static_length: int | None = None,
              else StaticCache(config=config, max_cache_len=static_length))
     if reads_encoder_outputs(model):
         cache = EncoderDecoderCache(cache, DynamicCache(config=config))
-    prepare_for_rollback(cache, "assistant_model", max_pass, model_type(model))
+    check_rollback(cache, "assistant_model", model_type(model))
+    prepare_for_rollback(cache, max_pass)
     return cache
 
 
@@ -132,45 +133,57 @@ def static_length(cache: Cache | None) -> int | None:
     return cache.layers[0].max_cache_len if isinstance(cache, StaticCache) else None
 
 
-def prepare_for_rollback(cache: Cache | None, argument: str, max_pass: int, model: str = "") -> None:
-    """Refuse a cache that cannot be rolled back exactly; make the others keep what a rollback needs.
-
-    Sliding-window layers keep their columns past the window until the next crop, and recurrent layers the state
-    after each of the last ``max_pass`` tokens of a pass (transformers' past recording), so that the rollback can
-    drop the rejected drafts of a pass of up to ``max_pass`` tokens.
+def check_rollback(cache: Cache | None, argument: str, model: str = "") -> None:
+    """Refuse a cache that cannot be rolled back exactly: not croppable (quantized, offloaded, sliding-window static),
+    or holding recurrent states that this transformers cannot record.
 
     Args:
         cache: the cache a model will use.
         argument: the name the user knows this cache by, for the error message.
-        max_pass: the most tokens a forward pass after the first feeds.
         model: the model's type, for the error message (`model_type`).
     """
     cache = None if cache is None else decoder_part(cache)
     layers = getattr(cache, "layers", [])
     layer_types = sorted({type(layer).__name__ for layer in layers})
-    is_static = (isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in layers)
-                 and not cache.offloading)
-    has_recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
-    if has_recurrent and not records_recurrent_states():
+    if _has_recurrent(layers) and not records_recurrent_states():
         raise ValueError(
             f"The model {model or 'given'} keeps recurrent (state-space or linear-attention) states in `{argument}` "
             f"(layers: {', '.join(layer_types)}). Rolling them back to the accepted drafts needs the state after every "
             "token of a pass, which transformers records from version 5.25 on; upgrade transformers "
             "(`pip install -U transformers`) to speculate with this model."
         )
-    if not is_static and (not isinstance(cache, DynamicCache) or not cache.is_croppable):
+    if not _is_plain_static(cache) and (not isinstance(cache, DynamicCache) or not cache.is_croppable):
         raise ValueError(
             f"Speculative decoding rolls caches back with `crop`, but `{argument}` uses {type(cache).__name__} "
             f"(layers: {', '.join(layer_types) or 'none'}; the model {model or 'given'}), which cannot be cropped back "
             "exactly. Use the default dynamic cache or `cache_implementation='static'` (quantized, offloaded and "
             "sliding-window static caches are refused), and do not pass a `cache=` of another type."
         )
-    if is_static:
+
+
+def prepare_for_rollback(cache: Cache, max_pass: int) -> None:
+    """Make a cache that `check_rollback` accepted keep what a rollback needs: sliding-window layers keep their columns
+    past the window until the next crop, and recurrent layers the state after each of the last ``max_pass`` tokens of a
+    pass (transformers' past recording), so that the rollback can drop the rejected drafts of a pass of up to
+    ``max_pass`` tokens (the most tokens a forward pass after the first feeds). A static cache needs nothing."""
+    cache = decoder_part(cache)
+    if _is_plain_static(cache):
         return
-    if has_recurrent:
+    if _has_recurrent(cache.layers):
         cache.activate_past_recording(recurrent_states_to_keep=max_pass)
     else:
         cache.activate_past_recording()
+
+
+def _is_plain_static(cache: Cache | None) -> bool:
+    """A static cache of plain static layers, not offloaded: what a crop rolls back by moving its write position."""
+    layers = getattr(cache, "layers", [])
+    return (isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in layers)
+            and not cache.offloading)
+
+
+def _has_recurrent(layers) -> bool:
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
 
 
 def column_rules(cache: Cache | None) -> ColumnRules:

@@ -36,7 +36,6 @@ from transformers import GenerationMixin, PreTrainedModel
 from hf_spec.caches import (
     attach_inputs,
     fit_prompt,
-    model_type,
     prepare_for_rollback,
     sized_static_cache,
     static_length,
@@ -204,7 +203,7 @@ class SpeculativeGenerationMixin(GenerationMixin):
         check_call(facts, "prepared")
         target_cache = facts.cache
         max_pass = rounds.max_pass(generation_config.max_length - input_ids.shape[1])
-        prepare_for_rollback(target_cache, "cache", max_pass + 1, model_type(self))
+        prepare_for_rollback(target_cache, max_pass + 1)
         target_cache = sized_static_cache(self, target_cache, input_ids, generation_config.max_length,
                                           generation_config.max_cache_len, max_pass)
         fit_prompt(target_cache, input_ids.shape[1])

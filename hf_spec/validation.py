@@ -8,8 +8,7 @@
 - `PREPARED_RULES`, on what transformers prepared for the call (the final ids and mask, the processor chain, the
   cache) and on the plan's drafter, just before the prefill (`hf_spec.mixin`'s ``_assisted_decoding``).
 
-`hf_spec.plan` then only turns a checked call into rounds; what a cache needs to be rolled back is checked where
-caches are prepared (`hf_spec.caches.prepare_for_rollback`).
+`hf_spec.plan` then only turns a checked call into rounds.
 """
 
 from __future__ import annotations
@@ -23,7 +22,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.configuration_utils import GenerationMode
 
-from hf_spec.caches import cache_length, check_cache_rows, static_cache_length, static_length
+from hf_spec.caches import (
+    cache_length,
+    check_cache_rows,
+    check_rollback,
+    model_type,
+    static_cache_length,
+    static_length,
+)
 from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.compat import pad_token_tensor
 from hf_spec.drafting.base import Drafter, DraftSource
@@ -351,13 +357,14 @@ def check_processor_chain(call: Call) -> None:
 
 
 def check_cache(call: Call) -> None:
-    """A cache to roll back, with the batch's rows; a static one holds what the call may write, and compiled passes
-    need one (an encoder-decoder's runs eagerly)."""
+    """A cache to roll back, exactly (`hf_spec.caches.check_rollback`), with the batch's rows; a static one holds what
+    the call may write, and compiled passes need one (an encoder-decoder's runs eagerly)."""
     cache, config, model = call.cache, call.generation_config, call.model
     if cache is None:
-        raise ValueError(f"The model {model.config.model_type} made no cache for generate() to hand over (it builds a "
+        raise ValueError(f"The model {model_type(model)} made no cache for generate() to hand over (it builds a "
                          "cache of its own inside its forward pass), and speculative decoding rolls the cache back "
                          "after every round; hf_spec cannot speculate with this model.")
+    check_rollback(cache, "cache", model_type(model))
     check_cache_rows(cache, call.input_ids.shape[0], "cache")
     is_compiled = config.compile_config is not None and not config.disable_compile
     if static_length(cache) is None:

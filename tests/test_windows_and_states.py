@@ -68,7 +68,7 @@ def test_holes_inside_a_window_hide_a_rows_tokens_and_moving_them_left_restores_
     with torch.no_grad():
         alone = model(row).logits[0, -1]  # the row decoded alone: its last 4 tokens in the window
         cache = DynamicCache(config=model.config)
-        prepare_for_rollback(cache, "cache", 4)
+        prepare_for_rollback(cache, 4)
         model(row[:, :8], cache=cache)  # the prompt's columns 0-7
         model(torch.tensor([[23, 5, 5]]), cache=cache)  # a verify block: 23 accepted, the two drafts after it not
         # the model view: 7 .. 21, 23, hole, hole, then the newest token 25 (column 11)
@@ -89,7 +89,7 @@ def test_holes_inside_a_window_hide_a_rows_tokens_and_moving_them_left_restores_
 def _copy(cache, model):
     """A cache holding the same entries (the forward above must not change the one the test goes on with)."""
     copied = DynamicCache(config=model.config)
-    prepare_for_rollback(copied, "cache", 4)
+    prepare_for_rollback(copied, 4)
     for source, target in zip(cache.layers, copied.layers):
         target.lazy_initialization(source.keys, source.values)
         target.keys, target.values = source.keys.clone(), source.values.clone()
