@@ -86,7 +86,7 @@ def speculative_decode(
         rounds.start(batch, target_cache, conditioning)
         try:
             while batch.num_active > 0:
-                log = record.start_round()  # the round's one clock
+                log = record.start_round()  # the round's one record: its clock and its counts
                 # Drafting past a row's budget is cut by the stopping criteria; the row furthest from it sets the limit.
                 tokens_left = max(0, generation_config.max_length - min(batch.active_lengths()) - 1)
 
@@ -109,17 +109,16 @@ def speculative_decode(
                 num_kept, is_done = batch.count_until_stop(stopping_criteria, accepted.output_ids,
                                                            [n + 1 for n in num_accepted])
                 log.mark("stopping")
-                record.record_round(batch.active_list, batch.batch_size, round_.num_drafted, round_.depth,
-                                    accepted.output_ids, accepted.scores, accepted.logits, num_accepted, num_kept)
-                round_.learn(accepted, num_accepted, log.draft_seconds,
-                             None if record.stats.num_rounds == 1 else log.verify_seconds)  # round 1: the prefill
+                log.count(batch.active_list, round_.num_drafted, round_.depth, accepted.output_ids, accepted.scores,
+                          accepted.logits, num_accepted, num_kept)
+                round_.learn(accepted, num_accepted, log.draft_seconds, log.verify_seconds)
 
                 # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the
                 #    model view's columns but its last; finished rows leave.
                 round_.keep(target_cache, verified, accepted)
                 rounds.roll_back(target_cache, batch.commit(accepted.output_ids, num_accepted, num_kept, is_done))
                 log.mark("bookkeeping")
-                record.finish_round(log)
+                record.close(log)
         finally:
             # An exception mid-round (or a stop) must never leave a cache holding tokens that were not committed (a
             # tree's nodes sit after the committed positions, so the crop drops them too).

@@ -67,11 +67,14 @@ def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
 
 
 class RoundLog:
-    """One round's clock: the loop marks the end of each of its sections (`hf_spec.profiling.SECTIONS`). The sizer
-    reads the drafting and verifying seconds from it, the statistics the whole round's, and a profiled call each
-    section's (`hf_spec.profiling.CallProfile`: then every mark synchronizes an accelerator).
+    """One round's record: its clock, what it drafted, accepted and emitted, for the call's `CallRecord`.
+
+    The loop marks the end of each of the round's sections (`hf_spec.profiling.SECTIONS`): the sizer reads the drafting
+    and verifying seconds from the marks, the statistics the whole round's, and a profiled call each section's
+    (`hf_spec.profiling.CallProfile`: then every mark synchronizes an accelerator).
 
     Args:
+        index: the round's place in the call (0: the first, whose verify pass holds the prompt's prefill).
         profile: the call's profile, or ``None`` when it is not profiled.
         sync_device: an accelerator to wait for before the drafting mark (a sizer that learns from timings needs the
             draft's own time), or ``None``; on a CPU the clock is exact anyway.
@@ -79,10 +82,11 @@ class RoundLog:
 
     DRAFTED, VERIFIED = "drafting, other", "host sync"  # the marks that end drafting and verifying
 
-    def __init__(self, profile: CallProfile | None, sync_device: torch.device | None):
-        self.profile, self.sync_device = profile, sync_device
+    def __init__(self, index: int, profile: CallProfile | None, sync_device: torch.device | None):
+        self.index, self.profile, self.sync_device = index, profile, sync_device
         self.started = self.last = profile.sync() if profile is not None else time.perf_counter()
         self.marks: dict[str, float] = {}
+        self.counts: dict = {}  # `count`'s arguments
 
     def mark(self, section: str) -> None:
         """The section that just ended."""
@@ -95,15 +99,24 @@ class RoundLog:
             now = time.perf_counter()
         self.marks[section] = self.last = now
 
+    def count(self, active_rows: list[int], num_drafted: int, depth: int | None, output_ids: torch.Tensor,
+              scores: torch.Tensor, logits: torch.Tensor, num_accepted: list[int], num_kept: list[int]) -> None:
+        """What the round drafted (per row, ``depth`` for a tree), accepted and emitted: ``output_ids``
+        ``[active, m + 1]`` with their processed ``scores`` and raw ``logits`` ``[active, m + 1, vocab]``; row a
+        emitted its first ``num_kept[a]``."""
+        self.counts = {"active_rows": active_rows, "num_drafted": num_drafted, "depth": depth, "output_ids": output_ids,
+                       "scores": scores, "logits": logits, "num_accepted": num_accepted, "num_kept": num_kept}
+
     @property
     def draft_seconds(self) -> float:
         """Drafting: draft forward passes, sampling, the drafter's own work."""
         return self.marks[self.DRAFTED] - self.started
 
     @property
-    def verify_seconds(self) -> float:
-        """The target pass, the processors, acceptance and reading the counts."""
-        return self.marks[self.VERIFIED] - self.marks[self.DRAFTED]
+    def verify_seconds(self) -> float | None:
+        """The target pass, the processors, acceptance and reading the counts; ``None`` for the call's first round,
+        whose pass holds the prompt's prefill (a sizer must not learn a block's cost from it)."""
+        return None if self.index == 0 else self.marks[self.VERIFIED] - self.marks[self.DRAFTED]
 
     @property
     def seconds_since_drafted(self) -> float:
@@ -112,26 +125,26 @@ class RoundLog:
 
 
 class CallRecord:
-    """What one call records beside its tokens: the outputs (`OutputRecorder`), the statistics
-    (`hf_spec.stats.SpeculativeStats`) and each round's `RoundLog`."""
+    """What one call records beside its tokens, from its rounds' `RoundLog`: the outputs (`OutputRecorder`), the
+    statistics (`hf_spec.stats.SpeculativeStats`) and, when profiled, where the time went."""
 
     def __init__(self, generation_config: GenerationConfig, batch_size: int, streamer: BaseStreamer | None,
                  verification: str, profile: CallProfile | None, sync_device: torch.device | None):
+        self.batch_size = batch_size
         self.outputs = OutputRecorder(generation_config, batch_size, streamer)
         self.stats = SpeculativeStats(verification=verification)
         self.profile, self.sync_device = profile, sync_device
 
     def start_round(self) -> RoundLog:
-        return RoundLog(self.profile, self.sync_device)
+        return RoundLog(self.stats.num_rounds, self.profile, self.sync_device)
 
-    def record_round(self, active_rows: list[int], batch_size: int, num_drafted: int, depth: int | None,
-                     output_ids: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, num_accepted: list[int],
-                     num_kept: list[int]) -> None:
-        """A round's emitted tokens (`OutputRecorder.record`) and its counts (`SpeculativeStats.record_round`)."""
-        self.outputs.record(active_rows, output_ids, scores, logits, num_kept)
-        self.stats.record_round(num_drafted, num_accepted, num_kept, active_rows, batch_size, depth)
-
-    def finish_round(self, log: RoundLog) -> None:
+    def close(self, log: RoundLog) -> None:
+        """A finished round: its emitted tokens, counts and seconds."""
+        counts = log.counts
+        self.outputs.record(counts["active_rows"], counts["output_ids"], counts["scores"], counts["logits"],
+                            counts["num_kept"])
+        self.stats.record_round(counts["num_drafted"], counts["num_accepted"], counts["num_kept"],
+                                counts["active_rows"], self.batch_size, counts["depth"])
         self.stats.record_seconds(log.draft_seconds, log.seconds_since_drafted)
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, SpeculativeStats]:
