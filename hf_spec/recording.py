@@ -104,8 +104,9 @@ class RoundLog:
         """What the round drafted (per row, ``depth`` for a tree), accepted and emitted: ``output_ids``
         ``[active, m + 1]`` with their processed ``scores`` and raw ``logits`` ``[active, m + 1, vocab]``; row a
         emitted its first ``num_kept[a]``."""
-        self.counts = {"active_rows": active_rows, "num_drafted": num_drafted, "depth": depth, "output_ids": output_ids,
-                       "scores": scores, "logits": logits, "num_accepted": num_accepted, "num_kept": num_kept}
+        self.counts = {"active_rows": list(active_rows), "num_drafted": num_drafted, "depth": depth,
+                       "output_ids": output_ids, "scores": scores, "logits": logits, "num_accepted": num_accepted,
+                       "num_kept": num_kept}  # the rows as they were: the commit replaces the batch's list
 
     @property
     def draft_seconds(self) -> float:
