@@ -1,9 +1,10 @@
-"""Weight-only int8 and int4 targets and drafts on torch's CPU kernels (`hf_spec.loading.weight_only`): exact with
-respect to the quantized model's own p, greedy and sampled, in batches, with a negative control; the layers, their
-round trip and their refusals."""
+"""Weight-only int8 and int4 targets and drafts on CPU kernels (`hf_spec.loading.weight_only`, and the int8 rows kernel
+of `hf_spec.loading.int8_rows` for bf16 activations): exact with respect to the quantized model's own p, greedy and
+sampled, in batches, with a negative control; the layers, their round trip and their refusals."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -24,6 +25,7 @@ import hf_spec
 from hf_spec import speculative
 from hf_spec.cli import main
 from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
+from hf_spec.loading import int8_rows
 from hf_spec.loading.packed import optimize
 from hf_spec.loading.quantization import quantization_of, quantized_copy
 from hf_spec.loading.weight_only import DENSE_ROWS, WEIGHT_ONLY_SCHEMES, WeightOnlyLinear, quantize_weights
@@ -56,9 +58,30 @@ def test_every_linear_layer_is_replaced_and_close_to_its_weights(full_precision,
     assert "weight-only" in optimize(model, "auto").reason  # its layers are no dense layers to pack
 
 
-@pytest.mark.parametrize("scheme, case", [("int8", "temperature_1"), ("int4", "combined_chain_k4")])
-def test_speculative_sampling_follows_the_quantized_target_law(full_precision, small_draft, scheme, case):
-    target = speculative(quantized_copy(full_precision, scheme))
+def in_dtype(model, dtype):
+    """A copy in ``dtype`` (the fixtures stay as they are)."""
+    return copy.deepcopy(model).to(dtype)
+
+
+def kernel_runs() -> bool:
+    return int8_rows.rows_kernel() is not None
+
+
+@pytest.fixture
+def rebuilt_kernel_choice():
+    """Forget the process's kernel choice before and after a test that changes what it depends on."""
+    int8_rows._build.cache_clear()
+    yield
+    int8_rows._build.cache_clear()
+
+
+@pytest.mark.parametrize("scheme, case, dtype", [("int8", "temperature_1", torch.float32),
+                                                 ("int8", "temperature_1", torch.bfloat16),
+                                                 ("int4", "combined_chain_k4", torch.float32)])
+def test_speculative_sampling_follows_the_quantized_target_law(full_precision, small_draft, scheme, case, dtype):
+    """bf16 activations on int8 layers take the rows kernel where this CPU has AVX512-BF16."""
+    target = speculative(quantized_copy(in_dtype(full_precision, dtype), scheme))
+    small_draft = in_dtype(small_draft, dtype)
     k, settings, user_processors = CASES[case]
     samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=21)
     result = fit_sequences(samples, exact_law(target, settings, user_processors))
@@ -72,8 +95,10 @@ def test_an_int4_draft_for_an_int8_target_keeps_the_law(full_precision, small_dr
     assert fit_sequences(samples, exact_law(target, settings, user_processors)).is_consistent
 
 
-def test_negative_control_is_caught_with_an_int4_target(full_precision, small_draft, monkeypatch):
-    target = speculative(quantized_copy(full_precision, "int4"))
+@pytest.mark.parametrize("scheme, dtype", [("int4", torch.float32), ("int8", torch.bfloat16)])
+def test_negative_control_is_caught_with_a_quantized_target(full_precision, small_draft, scheme, dtype):
+    target = speculative(quantized_copy(in_dtype(full_precision, dtype), scheme))
+    small_draft = in_dtype(small_draft, dtype)
     k, settings, user_processors = CASES["temperature_1"]
     samples = sample_speculative(target, small_draft, settings, user_processors, k, seed=99,
                                  verification=RESAMPLE_FROM_P)
@@ -115,6 +140,52 @@ def test_both_int8_paths_multiply_by_the_same_weights():
     few, many = layer(rows[:DENSE_ROWS - 1]), layer(rows)
     expected = rows @ layer.dequantized().T + layer.bias
     assert torch.allclose(many, expected, atol=1e-5) and torch.allclose(few, expected[:DENSE_ROWS - 1], atol=1e-5)
+
+
+@pytest.mark.skipif(not kernel_runs(), reason=f"the int8 rows kernel does not run here: {int8_rows.why_not()}")
+def test_the_rows_kernel_computes_each_row_as_a_one_row_step_would():
+    """A verify pass's rows equal, bit for bit, what a one-token step computes for each: the sum over inputs runs in
+    the same order whatever the rows beside it. The output widths (300, 4) take both the tiles and their tail."""
+    torch.manual_seed(0)
+    for out_features in (300, 4):
+        layer = WeightOnlyLinear(torch.nn.Linear(256, out_features).to(torch.bfloat16), bits=8)
+        assert layer.takes_rows_kernel
+        rows = torch.randn(DENSE_ROWS - 1, 256).to(torch.bfloat16)
+        out = layer(rows)
+        for count in (1, 2, 5, 6, 7, DENSE_ROWS - 1):
+            assert torch.equal(layer(rows[:count]), out[:count])
+        assert all(torch.equal(layer(rows[i:i + 1]), out[i:i + 1]) for i in range(len(rows)))
+        kernel = int8_rows.rows_kernel().int8_rows_mm(rows, layer.weight_int8, layer.scales)
+        assert torch.equal(out, kernel + layer.bias)  # the layer really took the kernel
+        reference = torch.ops.aten._weight_int8pack_mm(rows, layer.weight_int8, layer.scales) + layer.bias
+        assert torch.allclose(out.float(), reference.float(), rtol=2e-2, atol=2e-2)  # the same product
+
+
+def test_without_the_rows_kernel_int8_layers_take_torchs_kernel(monkeypatch, rebuilt_kernel_choice):
+    monkeypatch.setenv(int8_rows.SWITCH, "0")
+    assert int8_rows.rows_kernel() is None and int8_rows.why_not() == f"{int8_rows.SWITCH}=0"
+    layer = WeightOnlyLinear(torch.nn.Linear(64, 96).to(torch.bfloat16), bits=8)
+    rows = torch.randn(3, 64).to(torch.bfloat16)
+    expected = torch.ops.aten._weight_int8pack_mm(rows, layer.weight_int8, layer.scales) + layer.bias
+    assert torch.equal(layer(rows), expected)
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, rebuilt_kernel_choice):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(int8_rows, "cpu_flags", lambda: ("any", {"avx512_bf16"}))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    int8_rows._warn_once.cache_clear()
+    layer = WeightOnlyLinear(torch.nn.Linear(64, 96).to(torch.bfloat16), bits=8)
+    rows = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="fall back to torch's kernel: building int8_rows.cpp failed.*Ninja"):
+        out = layer(rows)
+    expected = torch.ops.aten._weight_int8pack_mm(rows, layer.weight_int8, layer.scales) + layer.bias
+    assert torch.equal(out, expected)
+    int8_rows._warn_once.cache_clear()
 
 
 def test_a_quantized_model_pickles(full_precision):

@@ -3,7 +3,8 @@
 A decoding step on a CPU reads every weight once, so its time follows the bytes read: a 1.5B model reads 3.1 GB a step
 in bf16, 1.5 GB in int8, 0.8 GB in int4. `quantize_weights` replaces a model's ``nn.Linear`` layers, in place, by
 `WeightOnlyLinear` layers that keep the weights in fewer bits and multiply with ``aten._weight_int8pack_mm`` (int8,
-one scale per output row, symmetric) or ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of `INT4_GROUP` inputs,
+one scale per output row, symmetric; for a few rows of bf16 activations on AVX512-BF16, `hf_spec.loading.int8_rows`,
+which reads each weight once for all rows) or ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of `INT4_GROUP` inputs,
 a scale and a zero point each); activations stay in the model's dtype.
 
 Speculative decoding asks nothing of a quantized model: its p is what the quantized model computes, so the output
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_spec.loading.int8_rows import fits, rows_kernel
 from hf_spec.loading.packed import deoptimize
 
 #: The weight-only schemes on torch's kernels (bitsandbytes' are in `hf_spec.loading.quantization`).
@@ -63,11 +65,14 @@ class WeightOnlyLinear(nn.Module):
             self.register_buffer("scales_and_zeros", torch.stack(
                 [scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).contiguous().to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.takes_rows_kernel = bits == 8 and fits(self.in_features, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
         if self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
             out = nn.functional.linear(rows, self.weight_int8.to(rows.dtype)) * self.scales.to(rows.dtype)
+        elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and rows_kernel():
+            out = rows_kernel().int8_rows_mm(rows.contiguous(), self.weight_int8, self.scales.to(rows.dtype))
         elif self.bits == 8:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales.to(rows.dtype))
         else:

@@ -1,0 +1,71 @@
+"""An int8 weight-only multiply that reads each weight once for a block of rows, built on first use on CPUs with
+AVX512-BF16 (`kernels/int8_rows.cpp`, compiled by torch's C++ extension loader and cached per machine).
+
+torch's own kernel (``aten._weight_int8pack_mm``) streams the whole weight again for every 4 rows and converts it to
+float32 for each, so a verify pass over 6 tokens costs several decoding steps. This one casts each weight to bf16 once
+in registers and multiplies it with every row (``vdpbf16ps``, float32 sums); a row's sum runs in the same order
+whatever the number of rows beside it, so a verify pass computes each position exactly as a step would.
+
+`rows_kernel()` is the compiled module, or ``None`` where it cannot run here (no AVX512-BF16, no C++ compiler or
+``ninja``, or ``HF_SPEC_INT8_KERNEL=0``); `why_not()` says why, and int8 layers then use torch's kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_spec.loading.cpu import cpu_flags
+
+#: The C++ source of the kernel.
+SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
+#: Inputs per multiply instruction: a layer's ``in_features`` must be a multiple.
+DEPTH = 32
+#: Set to ``0`` to keep int8 layers on torch's kernel (for a comparison, or where building is unwanted).
+SWITCH = "HF_SPEC_INT8_KERNEL"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+
+
+@functools.cache
+def _build() -> tuple[object | None, str | None]:
+    """``(module, None)``, or ``(None, the reason it cannot run here)``; built at most once per process."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None, f"{SWITCH}=0"
+    if "avx512_bf16" not in cpu_flags()[1]:
+        return None, "this CPU has no AVX512-BF16"
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load("hf_spec_int8_rows", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+    except (OSError, RuntimeError, ImportError, SystemExit) as error:  # no compiler, no ninja, a failed build
+        return None, f"building {SOURCE.name} failed ({type(error).__name__}: {str(error).strip()[:200]})"
+    return module, None
+
+
+def rows_kernel() -> object | None:
+    """The compiled module (``int8_rows_mm(x, w, scales)``), or ``None`` where it cannot run (a warning says why,
+    once per process, except where the CPU lacks the instructions or the switch is off)."""
+    module, reason = _build()
+    if module is None and reason.startswith("building"):
+        _warn_once(reason)
+    return module
+
+
+def why_not() -> str | None:
+    """Why `rows_kernel` is ``None``, or ``None`` when it runs."""
+    return _build()[1]
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"int8 weight-only layers fall back to torch's kernel: {reason}.", stacklevel=3)
+
+
+def fits(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a layer of this width with activations of this dtype can take the kernel (bf16, width a multiple of
+    `DEPTH`); the CPU and the build are checked by `rows_kernel`."""
+    return dtype == torch.bfloat16 and in_features % DEPTH == 0
