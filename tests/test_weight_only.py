@@ -155,10 +155,27 @@ def test_the_rows_kernel_computes_each_row_as_a_one_row_step_would():
         for count in (1, 2, 5, 6, 7, DENSE_ROWS - 1):
             assert torch.equal(layer(rows[:count]), out[:count])
         assert all(torch.equal(layer(rows[i:i + 1]), out[i:i + 1]) for i in range(len(rows)))
-        kernel = int8_rows.rows_kernel().int8_rows_mm(rows, layer.weight_int8, layer.scales)
+        kernel = int8_rows.rows_kernel().int8_rows_mm(rows, layer.weight_tiles, layer.scales)
         assert torch.equal(out, kernel + layer.bias)  # the layer really took the kernel
-        reference = torch.ops.aten._weight_int8pack_mm(rows, layer.weight_int8, layer.scales) + layer.bias
+        reference = torch.ops.aten._weight_int8pack_mm(rows, layer.int8_weight(), layer.scales) + layer.bias
         assert torch.allclose(out.float(), reference.float(), rtol=2e-2, atol=2e-2)  # the same product
+
+
+@pytest.mark.skipif(not kernel_runs(), reason=f"the int8 rows kernel does not run here: {int8_rows.why_not()}")
+def test_a_tiled_layer_multiplies_a_prompt_by_the_same_weights():
+    """A prompt's pass (`DENSE_ROWS` rows or more) and float32 activations use the weight untiled."""
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    layer = WeightOnlyLinear(linear, bits=8)
+    weight = linear.weight.float()
+    plain = (weight / (weight.abs().amax(dim=1, keepdim=True) / 127)).round().clamp(-127, 127).to(torch.int8)
+    assert layer.takes_rows_kernel and torch.equal(layer.int8_weight(), plain)
+    rows = torch.randn(DENSE_ROWS, 64).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(rows, plain.to(torch.bfloat16)) * layer.scales + layer.bias
+    assert torch.equal(layer(rows), expected)
+    assert torch.allclose(layer(rows[:3]).float(), expected[:3].float(), rtol=2e-2, atol=2e-2)
+    fp32 = torch.randn(3, 64)
+    assert torch.equal(layer(fp32), torch.ops.aten._weight_int8pack_mm(fp32, plain, layer.scales.float())
+                       + layer.bias.float())
 
 
 def test_without_the_rows_kernel_int8_layers_take_torchs_kernel(monkeypatch, rebuilt_kernel_choice):
@@ -179,12 +196,12 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, rebuilt_kernel_ch
     monkeypatch.setattr(int8_rows, "cpu_flags", lambda: ("any", {"avx512_bf16"}))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     int8_rows._warn_once.cache_clear()
-    layer = WeightOnlyLinear(torch.nn.Linear(64, 96).to(torch.bfloat16), bits=8)
-    rows = torch.randn(3, 64).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fall back to torch's kernel: building int8_rows.cpp failed.*Ninja"):
-        out = layer(rows)
+        layer = WeightOnlyLinear(torch.nn.Linear(64, 96).to(torch.bfloat16), bits=8)
+    assert not layer.takes_rows_kernel
+    rows = torch.randn(3, 64).to(torch.bfloat16)
     expected = torch.ops.aten._weight_int8pack_mm(rows, layer.weight_int8, layer.scales) + layer.bias
-    assert torch.equal(out, expected)
+    assert torch.equal(layer(rows), expected)
     int8_rows._warn_once.cache_clear()
 
 

@@ -2,8 +2,9 @@
 AVX512-BF16 (`kernels/int8_rows.cpp`, compiled by torch's C++ extension loader and cached per machine).
 
 torch's own kernel (``aten._weight_int8pack_mm``) streams the whole weight again for every 4 rows and converts it to
-float32 for each, so a verify pass over 6 tokens costs several decoding steps. This one casts each weight to bf16 once
-in registers and multiplies it with every row (``vdpbf16ps``, float32 sums); a row's sum runs in the same order
+float32 for each, so a verify pass over 6 tokens costs several decoding steps. This one reads the weight in tiles laid
+out for it (`tiles`: 32 inputs of 4 outputs side by side, one sequential stream per thread), casts each weight to bf16
+once in registers and multiplies it with every row (``vdpbf16ps``, float32 sums); a row's sum runs in the same order
 whatever the number of rows beside it, so a verify pass computes each position exactly as a step would.
 
 `rows_kernel()` is the compiled module, or ``None`` where it cannot run here (no AVX512-BF16, no C++ compiler or
@@ -25,6 +26,8 @@ from hf_spec.loading.cpu import cpu_flags
 SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
 #: Inputs per multiply instruction: a layer's ``in_features`` must be a multiple.
 DEPTH = 32
+#: Outputs per tile: a layer's ``out_features`` must be a multiple.
+TILE = 4
 #: Set to ``0`` to keep int8 layers on torch's kernel (for a comparison, or where building is unwanted).
 SWITCH = "HF_SPEC_INT8_KERNEL"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
@@ -65,7 +68,19 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"int8 weight-only layers fall back to torch's kernel: {reason}.", stacklevel=3)
 
 
-def fits(in_features: int, dtype: torch.dtype) -> bool:
-    """Whether a layer of this width with activations of this dtype can take the kernel (bf16, width a multiple of
-    `DEPTH`); the CPU and the build are checked by `rows_kernel`."""
-    return dtype == torch.bfloat16 and in_features % DEPTH == 0
+def fits(in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """Whether a layer of this shape with activations of this dtype can take the kernel (bf16, ``in_features`` a
+    multiple of `DEPTH`, ``out_features`` of `TILE`); the CPU and the build are checked by `rows_kernel`."""
+    return dtype == torch.bfloat16 and in_features % DEPTH == 0 and out_features % TILE == 0
+
+
+def tiles(codes: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of int8 weights ``[out, in]``: ``[out / TILE, in / DEPTH, TILE, DEPTH]``."""
+    out_features, in_features = codes.shape
+    return codes.view(out_features // TILE, TILE, in_features // DEPTH, DEPTH).transpose(1, 2).contiguous()
+
+
+def untiled(weight_tiles: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` from `tiles` (a copy), in the dtype of ``weight_tiles``."""
+    groups, depth_blocks, tile, depth = weight_tiles.shape
+    return weight_tiles.transpose(1, 2).reshape(groups * tile, depth_blocks * depth)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_spec.loading.int8_rows import fits, rows_kernel
+from hf_spec.loading.int8_rows import fits, rows_kernel, tiles, untiled
 from hf_spec.loading.packed import deoptimize
 
 #: The weight-only schemes on torch's kernels (bitsandbytes' are in `hf_spec.loading.quantization`).
@@ -38,7 +38,8 @@ DENSE_ROWS = 16
 class WeightOnlyLinear(nn.Module):
     """A linear layer whose weights are int8 (per output row) or int4 (per group of `INT4_GROUP` inputs).
 
-    Buffers: ``weight_int8`` ``[out, in]`` and ``scales`` ``[out]``; or ``weight_int4`` (torch's CPU packing of
+    Buffers: ``weight_int8`` ``[out, in]`` (or, where the int8 rows kernel runs, ``weight_tiles``, its layout of them:
+    `hf_spec.loading.int8_rows.tiles`) and ``scales`` ``[out]``; or ``weight_int4`` (torch's CPU packing of
     ``[out, in]``) and ``scales_and_zeros`` ``[in / group, out, 2]``; ``bias`` ``[out]`` or ``None``.
     """
 
@@ -48,9 +49,15 @@ class WeightOnlyLinear(nn.Module):
             raise ValueError(f"`bits` must be 4 or 8, but is {bits!r}.")
         self.bits, self.in_features, self.out_features = bits, linear.in_features, linear.out_features
         weight = linear.weight.detach().float()  # [out, in]
+        self.takes_rows_kernel = bits == 8 and fits(self.in_features, self.out_features, linear.weight.dtype) \
+            and rows_kernel() is not None
         if bits == 8:
             scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
-            self.register_buffer("weight_int8", (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+            codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+            if self.takes_rows_kernel:
+                self.register_buffer("weight_tiles", tiles(codes))
+            else:
+                self.register_buffer("weight_int8", codes)
             self.register_buffer("scales", scales.to(linear.weight.dtype))
         else:
             if self.in_features % INT4_GROUP:
@@ -65,22 +72,27 @@ class WeightOnlyLinear(nn.Module):
             self.register_buffer("scales_and_zeros", torch.stack(
                 [scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).contiguous().to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.takes_rows_kernel = bits == 8 and fits(self.in_features, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
         if self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
-            out = nn.functional.linear(rows, self.weight_int8.to(rows.dtype)) * self.scales.to(rows.dtype)
+            out = nn.functional.linear(rows, self.int8_weight(rows.dtype)) * self.scales.to(rows.dtype)
         elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and rows_kernel():
-            out = rows_kernel().int8_rows_mm(rows.contiguous(), self.weight_int8, self.scales.to(rows.dtype))
+            out = rows_kernel().int8_rows_mm(rows.contiguous(), self.weight_tiles, self.scales.to(rows.dtype))
         elif self.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales.to(rows.dtype))
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.int8_weight(), self.scales.to(rows.dtype))
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP,
                                                              self.scales_and_zeros.to(rows.dtype))
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def int8_weight(self, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+        """The int8 weight ``[out, in]`` in ``dtype`` (from the kernel's tiles: a copy)."""
+        if self.takes_rows_kernel:
+            return untiled(self.weight_tiles.to(dtype))
+        return self.weight_int8.to(dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight ``[out, in]`` this layer multiplies by, in float32."""
@@ -92,7 +104,7 @@ class WeightOnlyLinear(nn.Module):
             self.bias = bias
 
     def _buffer(self) -> torch.Tensor:
-        return self.weight_int8 if self.bits == 8 else self.weight_int4
+        return self.scales if self.bits == 8 else self.weight_int4
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
