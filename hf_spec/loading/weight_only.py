@@ -33,6 +33,8 @@ INT4_GROUP = 32
 #: and scales the result: torch's int8 kernel is tuned for a few rows, and a prompt's pass of many rows runs faster
 #: through the dense matmul (docs/quantization.md).
 DENSE_ROWS = 16
+#: Tiles (of `hf_spec.loading.int8_rows.TILE` outputs) cast together in a prompt's pass: 1,024 outputs, a few MB.
+DENSE_TILES = 256
 
 
 class WeightOnlyLinear(nn.Module):
@@ -76,7 +78,7 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
         if self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
-            out = nn.functional.linear(rows, self.int8_weight(rows.dtype)) * self.scales.to(rows.dtype)
+            out = self._dense_int8(rows)
         elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and rows_kernel():
             out = rows_kernel().int8_rows_mm(rows.contiguous(), self.weight_tiles, self.scales.to(rows.dtype))
         elif self.bits == 8:
@@ -87,6 +89,16 @@ class WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _dense_int8(self, rows: torch.Tensor) -> torch.Tensor:
+        """A prompt's pass ``[tokens, in] -> [tokens, out]``: the int8 weight cast to the activations' dtype and the
+        result scaled; from tiles, `DENSE_TILES` at a time, so that each cast block is multiplied while in cache."""
+        scales = self.scales.to(rows.dtype)
+        if not self.takes_rows_kernel:
+            return nn.functional.linear(rows, self.weight_int8.to(rows.dtype)) * scales
+        blocks = [nn.functional.linear(rows, untiled(self.weight_tiles[start:start + DENSE_TILES].to(rows.dtype)))
+                  for start in range(0, self.weight_tiles.shape[0], DENSE_TILES)]
+        return torch.cat(blocks, dim=-1) * scales
 
     def int8_weight(self, dtype: torch.dtype = torch.int8) -> torch.Tensor:
         """The int8 weight ``[out, in]`` in ``dtype`` (from the kernel's tiles: a copy)."""
