@@ -28,7 +28,14 @@ from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading import int8_rows
 from hf_spec.loading.packed import optimize
 from hf_spec.loading.quantization import quantization_of, quantized_copy
-from hf_spec.loading.weight_only import DENSE_ROWS, WEIGHT_ONLY_SCHEMES, WeightOnlyLinear, quantize_weights
+from hf_spec.loading.weight_only import (
+    DENSE_ROWS,
+    WEIGHT_ONLY_SCHEMES,
+    WeightOnlyLinear,
+    adopt_torchao,
+    quantize_weights,
+    torchao_int8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +235,40 @@ def test_cli_generate_with_weight_only_target_and_draft(capsys):
     assert main(["generate", "--target", "tiny", "--draft", "tiny", "--quantize", "int8", "--quantize-draft", "int4",
                  "--max-new-tokens", "8", "--compare", "--json"]) == 0
     assert '"num_accepted"' in capsys.readouterr().out
+
+
+def test_a_torchao_int8_model_is_put_on_the_int8_kernels_by_prepare_pair(tmp_path):
+    """transformers' route, ``from_pretrained(..., quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))``:
+    `prepare_pair` keeps torchao's codes and scales and multiplies with hf_spec's int8 layers; greedy speculation
+    equals the adopted target's own decoding in a ragged batch."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    make_tiny_model(seed=0).to(torch.bfloat16).save_pretrained(tmp_path / "target")
+    make_noisy_copy(make_tiny_model(seed=0), seed=4, noise=0.5).to(torch.bfloat16).save_pretrained(tmp_path / "draft")
+    config = TorchAoConfig(Int8WeightOnlyConfig())
+    target, draft = (AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.bfloat16,
+                                                          quantization_config=config) for name in ("target", "draft"))
+    up = target.model.layers[0].mlp.up_proj.weight
+    codes, scales = up.qdata.clone(), up.scale.reshape(-1).clone()
+    pair = hf_spec.prepare_pair(target, draft, optimize=False)
+    layer = pair.target.model.layers[0].mlp.up_proj
+    assert isinstance(layer, WeightOnlyLinear) and torch.equal(layer.int8_weight(), codes)
+    assert torch.equal(layer.scales, scales.to(torch.bfloat16)) and layer.takes_rows_kernel == kernel_runs()
+    assert not any(type(module) is torch.nn.Linear and type(module.weight).__name__ == "Int8Tensor"
+                   for model in (pair.target, pair.draft) for module in model.modules())
+    input_ids, attention_mask = left_padded(PROMPTS)
+    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
+    with hf_spec.without_speculation(pair.target):
+        expected = pair.target.generate(input_ids, **common)
+    output = pair.target.generate(input_ids, assistant_model=pair.draft, num_assistant_tokens=4,
+                                  return_dict_in_generate=True, **common)
+    assert torch.equal(output.sequences, expected) and output.speculative_stats.num_accepted > 0
+
+
+def test_other_weights_are_not_taken_for_torchao_int8():
+    layer = torch.nn.Linear(64, 32)
+    assert torchao_int8(layer.weight) is None
+    model = make_tiny_model(seed=0)
+    assert adopt_torchao(model) == 0 and not any(isinstance(m, WeightOnlyLinear) for m in model.modules())

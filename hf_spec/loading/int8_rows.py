@@ -1,5 +1,6 @@
-"""An int8 weight-only multiply that reads each weight once for a block of rows, built on first use on CPUs with
-AVX512-BF16 (`kernels/int8_rows.cpp`, compiled by torch's C++ extension loader and cached per machine).
+"""An int8 weight-only multiply that reads each weight once for a block of rows, on CPUs with AVX512-BF16.
+
+`kernels/int8_rows.cpp` is compiled on first use by torch's C++ extension loader and cached per machine.
 
 torch's own kernel (``aten._weight_int8pack_mm``) streams the whole weight again for every 4 rows and converts it to
 float32 for each, so a verify pass over 6 tokens costs several decoding steps. This one reads the weight in tiles laid

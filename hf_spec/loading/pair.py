@@ -39,6 +39,7 @@ from hf_spec.loading.tiny import (
     tiny_tokenizer,
 )
 from hf_spec.loading.vocabulary import draft_vocabulary
+from hf_spec.loading.weight_only import adopt_torchao
 from hf_spec.mixin import speculative
 from hf_spec.sizing.costs import seed_costs
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS
@@ -185,9 +186,12 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
 
 def prepare_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None, *, optimize: bool = True) -> Pair:
     """Models you loaded yourself, ready to speculate: the target made `speculative`, the draft moved to the
-    target's first device (a quantized draft stays where its ``device_map`` put it), and, with ``optimize``, each on
-    its fastest CPU forward path (the target for verifying blocks, a draft model for its steps, 2-token catch-ups and
-    prefills; a draft head keeps dense kernels with oneDNN switched off for its 1-token steps)."""
+    target's first device (a quantized draft stays where its ``device_map`` put it), layers torchao quantized to int8
+    weight-only put on hf_spec's int8 kernels (`hf_spec.loading.weight_only.adopt_torchao`), and, with ``optimize``,
+    each on its fastest CPU forward path (the target for verifying blocks, a draft model for its steps, 2-token
+    catch-ups and prefills; a draft head keeps dense kernels with oneDNN switched off for its 1-token steps)."""
+    for model in (target, draft):
+        adopt_torchao(model)  # layers torchao quantized to int8 weight-only: the same weights on hf_spec's int8 kernels
     is_quantized = getattr(draft.config, "quantization_config", None) is not None
     draft = draft if is_quantized else draft.to(first_device(target))
     pair = Pair(speculative(target), draft, tokenizer)

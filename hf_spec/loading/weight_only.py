@@ -1,11 +1,12 @@
-"""Weight-only int8 and int4 linear layers on torch's own CPU kernels, for targets and drafts at the memory limit.
+"""Weight-only int8 and int4 linear layers on CPU kernels, for targets and drafts at the memory limit.
 
 A decoding step on a CPU reads every weight once, so its time follows the bytes read: a 1.5B model reads 3.1 GB a step
 in bf16, 1.5 GB in int8, 0.8 GB in int4. `quantize_weights` replaces a model's ``nn.Linear`` layers, in place, by
-`WeightOnlyLinear` layers that keep the weights in fewer bits and multiply with ``aten._weight_int8pack_mm`` (int8,
-one scale per output row, symmetric; for a few rows of bf16 activations on AVX512-BF16, `hf_spec.loading.int8_rows`,
-which reads each weight once for all rows) or ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of `INT4_GROUP` inputs,
-a scale and a zero point each); activations stay in the model's dtype.
+`WeightOnlyLinear` layers that keep the weights in fewer bits; activations stay in the model's dtype. int8 (one scale
+per output row, symmetric) multiplies a few rows of bf16 activations with `hf_spec.loading.int8_rows` where it runs
+(AVX512-BF16; each weight read once for all rows, from tiles laid out for it), and with ``aten._weight_int8pack_mm``
+elsewhere; int4 (groups of `INT4_GROUP` inputs, a scale and a zero point each) with
+``aten._weight_int4pack_mm_for_cpu``.
 
 Speculative decoding asks nothing of a quantized model: its p is what the quantized model computes, so the output
 law is that of target-only decoding with the quantized target (`tests/test_quantized.py`). How far a quantized model
@@ -25,16 +26,23 @@ from torch import nn
 from hf_spec.loading.int8_rows import fits, rows_kernel, tiles, untiled
 from hf_spec.loading.packed import deoptimize
 
-#: The weight-only schemes on torch's kernels (bitsandbytes' are in `hf_spec.loading.quantization`).
+#: The weight-only schemes (bitsandbytes' are in `hf_spec.loading.quantization`).
 WEIGHT_ONLY_SCHEMES = ("int8", "int4")
 #: Inputs per int4 group (a scale and a zero point each): torch's CPU kernel takes 32, 64, 128 or 256.
 INT4_GROUP = 32
 #: From this many rows on (a prompt's pass), an int8 layer multiplies by its int8 weight cast to the activations' dtype
-#: and scales the result: torch's int8 kernel is tuned for a few rows, and a prompt's pass of many rows runs faster
+#: and scales the result: the int8 kernels are made for a few rows, and a prompt's pass of many rows runs faster
 #: through the dense matmul (docs/quantization.md).
 DENSE_ROWS = 16
 #: Tiles (of `hf_spec.loading.int8_rows.TILE` outputs) cast together in a prompt's pass: 1,024 outputs, a few MB.
 DENSE_TILES = 256
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes ``[out, in]`` and float32 scales ``[out]`` of a float32 weight ``[out, in]``, one scale per
+    output row."""
+    scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
+    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
 
 
 class WeightOnlyLinear(nn.Module):
@@ -45,34 +53,35 @@ class WeightOnlyLinear(nn.Module):
     ``[out, in]``) and ``scales_and_zeros`` ``[in / group, out, 2]``; ``bias`` ``[out]`` or ``None``.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int):
+    def __init__(self, linear: nn.Linear, bits: int, int8: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``int8``: the codes ``[out, in]`` and scales ``[out]`` another library quantized (`adopt_torchao`);
+        otherwise ``linear``'s weight is quantized here."""
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"`bits` must be 4 or 8, but is {bits!r}.")
         self.bits, self.in_features, self.out_features = bits, linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()  # [out, in]
-        self.takes_rows_kernel = bits == 8 and fits(self.in_features, self.out_features, linear.weight.dtype) \
+        dtype = linear.weight.dtype
+        self.takes_rows_kernel = bits == 8 and fits(self.in_features, self.out_features, dtype) \
             and rows_kernel() is not None
         if bits == 8:
-            scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
-            codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+            codes, scales = int8 if int8 is not None else int8_codes(linear.weight.detach().float())
             if self.takes_rows_kernel:
                 self.register_buffer("weight_tiles", tiles(codes))
             else:
                 self.register_buffer("weight_int8", codes)
-            self.register_buffer("scales", scales.to(linear.weight.dtype))
+            self.register_buffer("scales", scales.to(dtype))
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, but a layer has "
                                  f"{self.in_features}; use 'int8'.")
-            groups = weight.view(self.out_features, -1, INT4_GROUP)  # [out, in / group, group]
+            groups = linear.weight.detach().float().view(self.out_features, -1, INT4_GROUP)  # [out, in/group, group]
             low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
             scales = ((high - low) / 15).clamp_min(1e-12)
             codes = ((groups - low) / scales).round().clamp(0, 15).view(self.out_features, -1).to(torch.int32)
             zeros = low + 8 * scales  # torch's convention: w = (code - 8) * scale + zero
             self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
             self.register_buffer("scales_and_zeros", torch.stack(
-                [scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).contiguous().to(linear.weight.dtype))
+                [scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).contiguous().to(dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,3 +153,30 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
         setattr(parent, name, WeightOnlyLinear(child, bits))
     model.hf_spec_weight_only = scheme
     return model
+
+
+def torchao_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(codes [out, in], scales [out])`` of a weight torchao quantized to int8 weight-only with one scale per output
+    row (``Int8WeightOnlyConfig()``, version 2: an ``Int8Tensor``), or ``None`` for any other weight."""
+    if type(weight).__name__ != "Int8Tensor" or getattr(weight, "act_quant_scale", None) is not None:
+        return None
+    codes, scales = weight.qdata, weight.scale
+    if codes.dim() != 2 or list(weight.block_size) != [1, codes.shape[1]] or scales.numel() != codes.shape[0]:
+        return None  # per tensor, per group, or batched: not this layer's scheme
+    if getattr(weight, "act_pre_scale", None) is not None:
+        return None
+    return codes.contiguous(), scales.reshape(-1).float()
+
+
+def adopt_torchao(model: nn.Module) -> int:
+    """Put the linear layers torchao quantized to int8 weight-only, one scale per output row (transformers'
+    ``TorchAoConfig(Int8WeightOnlyConfig())``), on `WeightOnlyLinear` layers with the same codes and scales, in place:
+    the same quantized model, on the int8 kernels of this module. Returns how many layers changed; other layers, and
+    other torchao schemes, stay as they are."""
+    plan = [(parent, name, child, int8) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and (int8 := torchao_int8(child.weight)) is not None]
+    for parent, name, child, int8 in plan:
+        setattr(parent, name, WeightOnlyLinear(child, 8, int8=int8))
+    if plan:
+        model.hf_spec_weight_only = "int8"
+    return len(plan)
