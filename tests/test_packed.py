@@ -324,12 +324,15 @@ def test_probed_costs_are_kept_for_the_next_process(monkeypatch, tmp_path):
     assert len(asked) == 3
 
 
-def test_an_optimized_pair_starts_auto_k_from_its_kernel_timings_without_a_probe(monkeypatch):
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_an_optimized_pair_starts_auto_k_from_its_kernel_timings_without_a_probe(monkeypatch, quantize):
     """`load_pair` times each model's passes to choose its kernels; those timings are the costs auto k starts from,
-    so its first call probes nothing (sizes past the widest timed are extrapolated)."""
+    so its first call probes nothing (sizes past the widest timed are extrapolated). Weight-only models have one path
+    but are timed too."""
     from hf_spec import load_pair
 
-    pair = load_pair("tiny", "tiny", seed=3)
+    pair = load_pair("tiny", "tiny", seed=3, quantize=quantize, quantize_draft=quantize)
+    assert (pair.target_path.name == "stock") == (quantize is not None)
     monkeypatch.setattr(costs, "measure_costs", lambda *args: pytest.fail("probed in the call"))
     output = pair.target.generate(torch.tensor([[3, 1, 4, 1, 5]]), assistant_model=pair.draft, max_new_tokens=12,
                                   num_assistant_tokens="auto", do_sample=False, return_dict_in_generate=True)

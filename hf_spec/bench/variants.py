@@ -20,7 +20,7 @@ import torch
 from hf_spec.drafting.vocabulary import prune_vocabulary
 from hf_spec.heads.saved import head_kind, load_head
 from hf_spec.loading import packed
-from hf_spec.loading.pair import Pair, load_model
+from hf_spec.loading.pair import Pair, load_model, seed_pair_costs
 from hf_spec.loading.quantization import first_device
 from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.validation import check_same_vocabulary
@@ -42,6 +42,9 @@ def bench_variants(pair: Pair, target_name: str, *, quantized: tuple[str, ...] =
     if getattr(target.config, "quantization_config", None) is not None and quantized:
         raise ValueError(f"`quantized` {list(quantized)}: the target itself is already quantized.")
     variants = {scheme: load_model(target_name, dtype=dtype, quantize=scheme, seed=seed)[0] for scheme in quantized}
+    for model in variants.values() if optimize else ():
+        packed.optimize(model, role="target")  # times weight-only targets: their first automatic call does not probe
+        seed_pair_costs(model, pair.draft)
     for name in drafts:
         label = Path(name).name
         if label in variants:

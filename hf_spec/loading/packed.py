@@ -105,8 +105,10 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
                          f"{role!r}), but is {widths!r}.")
     deoptimize(model)
     refusal = _unsupported(model)
-    if refusal:
-        return _keep(model, CpuPath("stock", 0, reason=refusal))
+    if refusal:  # weight-only layers have no other path, but their timings seed auto k's costs (`prepare_pair`)
+        timed = getattr(model, "hf_spec_weight_only", None) is not None and model.device.type == "cpu"
+        seconds = {"stock": time_passes(model, widths, repeats)[True]} if timed else {}
+        return _keep(model, CpuPath("stock", 0, seconds, reason=refusal))
     seconds = {}
     if path == "auto":
         dense = time_passes(model, widths, repeats)
@@ -156,7 +158,7 @@ def _unsupported(model: PreTrainedModel) -> str:
     if getattr(model.config, "quantization_config", None) is not None:
         return "the model is quantized"
     if getattr(model, "hf_spec_weight_only", None) is not None:
-        return f"its weights are {model.hf_spec_weight_only}, on torch's weight-only kernels"
+        return f"its weights are {model.hf_spec_weight_only}, on weight-only kernels"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"{model.dtype} weights"
     if not torch.backends.mkldnn.is_available():

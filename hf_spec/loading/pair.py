@@ -199,10 +199,18 @@ def prepare_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None
         pair.target_path = packed.optimize(pair.target, role="target")
         pair.draft_path = packed.optimize(pair.draft, path="dense" if isinstance(draft, DraftHeadBase) else "auto",
                                           role="draft")
-        if not isinstance(draft, DraftHeadBase):  # the kernel timings are the costs auto k starts from: no probe
-            seed_costs(pair.target, ModelDrafter(pair.draft), pair.target_path.seconds.get(pair.target_path.name, {}),
-                       pair.draft_path.seconds.get(pair.draft_path.name, {}), DEFAULT_MAX_DRAFT_TOKENS + 1)
+        seed_pair_costs(pair.target, pair.draft)
     return pair
+
+
+def seed_pair_costs(target: PreTrainedModel, draft) -> None:
+    """The kernel timings `packed.optimize` made of both models become the costs auto k starts from, so that a first
+    automatic call does not probe (`hf_spec.sizing.costs.seed_costs`); nothing for a draft head or a model not
+    timed."""
+    target_path, draft_path = packed.cpu_path(target), packed.cpu_path(draft)
+    if target_path is not None and draft_path is not None and not isinstance(draft, DraftHeadBase):
+        seed_costs(target, ModelDrafter(draft), target_path.seconds.get(target_path.name, {}),
+                   draft_path.seconds.get(draft_path.name, {}), DEFAULT_MAX_DRAFT_TOKENS + 1)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
