@@ -272,3 +272,19 @@ def test_other_weights_are_not_taken_for_torchao_int8():
     assert torchao_int8(layer.weight) is None
     model = make_tiny_model(seed=0)
     assert adopt_torchao(model) == 0 and not any(isinstance(m, WeightOnlyLinear) for m in model.modules())
+
+
+def test_a_pruned_draft_vocabulary_is_quantized_after_pruning():
+    """`load_pair(quantize_draft="int8", draft_vocab=N)`: the draft is pruned first, then its layers (the pruned output
+    layer of N ids included) go to int8; greedy speculation still equals the target's own decoding."""
+    pair = hf_spec.load_pair("tiny", "tiny", quantize_draft="int8", draft_vocab=32, draft_vocab_counts="text",
+                             optimize=False)
+    kept = pair.draft.get_output_embeddings().kept  # the layer a draft step multiplies by: 32 of the 64 ids
+    assert isinstance(kept, WeightOnlyLinear) and kept.out_features == 32 and quantization_of(pair.draft) == "int8"
+    input_ids, attention_mask = left_padded(PROMPTS)
+    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
+    with hf_spec.without_speculation(pair.target):
+        expected = pair.target.generate(input_ids, **common)
+    output = pair.target.generate(input_ids, assistant_model=pair.draft, num_assistant_tokens=3,
+                                  return_dict_in_generate=True, **common)
+    assert torch.equal(output.sequences, expected) and output.speculative_stats.num_accepted > 0

@@ -39,7 +39,7 @@ from hf_spec.loading.tiny import (
     tiny_tokenizer,
 )
 from hf_spec.loading.vocabulary import draft_vocabulary
-from hf_spec.loading.weight_only import adopt_torchao
+from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, adopt_torchao, quantize_weights
 from hf_spec.mixin import speculative
 from hf_spec.sizing.costs import seed_costs
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS
@@ -168,8 +168,11 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
         except ValueError as error:
             raise ValueError(f"`draft` {draft!r} does not fit `target` {target!r}: {error}") from None
     else:
-        draft_model, draft_tokenizer = load_model(draft, dtype=draft_dtype or dtype, quantize=quantize_draft,
-                                                  seed=seed, role="draft")
+        # weight-only layers are made after pruning, so that the pruned output layer is quantized too
+        quantize_after = quantize_draft if draft_vocab is not None and quantize_draft in WEIGHT_ONLY_SCHEMES else None
+        draft_model, draft_tokenizer = load_model(draft, dtype=draft_dtype or dtype,
+                                                  quantize=None if quantize_after else quantize_draft, seed=seed,
+                                                  role="draft")
         other_tokenizer = draft_tokenizer if is_other_vocabulary(tokenizer, draft_tokenizer) else None
         if draft_vocab is not None:
             if other_tokenizer is not None:
@@ -178,6 +181,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             kept = draft_vocabulary(draft_model, tokenizer, draft_vocab, draft_vocab_corpus, target=target_model,
                                     counted_on=draft_vocab_counts)
             prune_vocabulary(draft_model, kept)
+            if quantize_after:
+                quantize_weights(draft_model, quantize_after)
         pair = prepare_pair(target_model, draft_model, tokenizer, optimize=optimize)
         pair.draft_tokenizer = other_tokenizer
         return pair
