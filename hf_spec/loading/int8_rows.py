@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -32,11 +33,17 @@ TILE = 4
 #: Set to ``0`` to keep int8 layers on torch's kernel (for a comparison, or where building is unwanted).
 SWITCH = "HF_SPEC_INT8_KERNEL"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+_BUILDING = threading.Lock()  # threads quantizing models at once build (or load) the module once
 
 
 @functools.cache
 def _build() -> tuple[object | None, str | None]:
     """``(module, None)``, or ``(None, the reason it cannot run here)``; built at most once per process."""
+    with _BUILDING:
+        return _built()
+
+
+def _built() -> tuple[object | None, str | None]:
     if os.environ.get(SWITCH, "1") == "0":
         return None, f"{SWITCH}=0"
     if "avx512_bf16" not in cpu_flags()[1]:
