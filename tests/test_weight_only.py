@@ -70,6 +70,19 @@ def in_dtype(model, dtype):
     return copy.deepcopy(model).to(dtype)
 
 
+def assert_greedy_batch_equals_target_only(target, draft, k: int) -> None:
+    """Greedy speculation over a ragged batch writes what the target writes alone, with drafts both accepted and
+    rejected (both paths of the rule ran)."""
+    input_ids, attention_mask = left_padded(PROMPTS)
+    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
+    with hf_spec.without_speculation(target):
+        expected = target.generate(input_ids, **common)
+    output = target.generate(input_ids, assistant_model=draft, num_assistant_tokens=k, return_dict_in_generate=True,
+                             **common)
+    assert torch.equal(output.sequences, expected)
+    assert 0 < output.speculative_stats.num_accepted < output.speculative_stats.num_draft_tokens
+
+
 def kernel_runs() -> bool:
     return int8_rows.rows_kernel() is not None
 
@@ -118,14 +131,7 @@ def test_greedy_ragged_batch_equals_quantized_target_only(scheme, dtype):
     plain = make_tiny_model(seed=0).to(dtype)
     target = speculative(quantized_copy(plain, scheme))
     draft = quantized_copy(make_noisy_copy(make_tiny_model(seed=0), seed=4, noise=0.5).to(dtype), scheme)
-    input_ids, attention_mask = left_padded(PROMPTS)
-    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
-    with hf_spec.without_speculation(target):
-        expected = target.generate(input_ids, **common)
-    output = target.generate(input_ids, assistant_model=draft, num_assistant_tokens=4, return_dict_in_generate=True,
-                             **common)
-    assert torch.equal(output.sequences, expected)
-    assert 0 < output.speculative_stats.num_accepted < output.speculative_stats.num_draft_tokens  # both paths ran
+    assert_greedy_batch_equals_target_only(target, draft, k=4)
 
 
 def test_a_model_on_packed_layers_is_quantized_from_its_dense_weights():
@@ -194,6 +200,12 @@ def test_without_the_rows_kernel_int8_layers_take_torchs_kernel(monkeypatch, reb
     assert torch.equal(layer(rows), expected)
 
 
+def test_a_switch_value_other_than_0_or_1_is_refused_by_name(monkeypatch, rebuilt_kernel_choice):
+    monkeypatch.setenv(int8_rows.SWITCH, "false")
+    with pytest.raises(ValueError, match=r"`HF_SPEC_INT8_KERNEL` must be '0' .* but is 'false'"):
+        WeightOnlyLinear(torch.nn.Linear(64, 96).to(torch.bfloat16), bits=8)
+
+
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, rebuilt_kernel_choice):
     import torch.utils.cpp_extension
 
@@ -258,13 +270,7 @@ def test_a_torchao_int8_model_is_put_on_the_int8_kernels_by_prepare_pair(tmp_pat
     assert torch.equal(layer.scales, scales.to(torch.bfloat16)) and layer.takes_rows_kernel == kernel_runs()
     assert not any(type(module) is torch.nn.Linear and type(module.weight).__name__ == "Int8Tensor"
                    for model in (pair.target, pair.draft) for module in model.modules())
-    input_ids, attention_mask = left_padded(PROMPTS)
-    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
-    with hf_spec.without_speculation(pair.target):
-        expected = pair.target.generate(input_ids, **common)
-    output = pair.target.generate(input_ids, assistant_model=pair.draft, num_assistant_tokens=4,
-                                  return_dict_in_generate=True, **common)
-    assert torch.equal(output.sequences, expected) and output.speculative_stats.num_accepted > 0
+    assert_greedy_batch_equals_target_only(pair.target, pair.draft, k=4)
 
 
 def test_other_weights_are_not_taken_for_torchao_int8():
@@ -281,10 +287,4 @@ def test_a_pruned_draft_vocabulary_is_quantized_after_pruning():
                              optimize=False)
     kept = pair.draft.get_output_embeddings().kept  # the layer a draft step multiplies by: 32 of the 64 ids
     assert isinstance(kept, WeightOnlyLinear) and kept.out_features == 32 and quantization_of(pair.draft) == "int8"
-    input_ids, attention_mask = left_padded(PROMPTS)
-    common = {"attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": PAD}
-    with hf_spec.without_speculation(pair.target):
-        expected = pair.target.generate(input_ids, **common)
-    output = pair.target.generate(input_ids, assistant_model=pair.draft, num_assistant_tokens=3,
-                                  return_dict_in_generate=True, **common)
-    assert torch.equal(output.sequences, expected) and output.speculative_stats.num_accepted > 0
+    assert_greedy_batch_equals_target_only(pair.target, pair.draft, k=3)

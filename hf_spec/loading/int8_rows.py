@@ -30,7 +30,8 @@ SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
 DEPTH = 32
 #: Outputs per tile: a layer's ``out_features`` must be a multiple.
 TILE = 4
-#: Set to ``0`` to keep int8 layers on torch's kernel (for a comparison, or where building is unwanted).
+#: Set to ``0`` to keep int8 layers on torch's kernel (for a comparison, or where building is unwanted); ``1``, the
+#: default, takes the rows kernel where it runs; any other value is an error.
 SWITCH = "HF_SPEC_INT8_KERNEL"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 _BUILDING = threading.Lock()  # threads quantizing models at once build (or load) the module once
@@ -44,7 +45,11 @@ def _build() -> tuple[object | None, str | None]:
 
 
 def _built() -> tuple[object | None, str | None]:
-    if os.environ.get(SWITCH, "1") == "0":
+    switch = os.environ.get(SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"`{SWITCH}` must be '0' (torch's int8 kernel) or '1' (the rows kernel where it runs), but is "
+                         f"{switch!r}.")
+    if switch == "0":
         return None, f"{SWITCH}=0"
     if "avx512_bf16" not in cpu_flags()[1]:
         return None, "this CPU has no AVX512-BF16"

@@ -88,8 +88,8 @@ class WeightOnlyLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
         if self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
             out = self._dense_int8(rows)
-        elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and rows_kernel():
-            out = rows_kernel().int8_rows_mm(rows.contiguous(), self.weight_tiles, self.scales.to(rows.dtype))
+        elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and (kernel := rows_kernel()):
+            out = kernel.int8_rows_mm(rows.contiguous(), self.weight_tiles, self.scales.to(rows.dtype))
         elif self.bits == 8:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.int8_weight(), self.scales.to(rows.dtype))
         else:
