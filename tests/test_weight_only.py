@@ -288,3 +288,35 @@ def test_a_pruned_draft_vocabulary_is_quantized_after_pruning():
     kept = pair.draft.get_output_embeddings().kept  # the layer a draft step multiplies by: 32 of the 64 ids
     assert isinstance(kept, WeightOnlyLinear) and kept.out_features == 32 and quantization_of(pair.draft) == "int8"
     assert_greedy_batch_equals_target_only(pair.target, pair.draft, k=3)
+
+
+def test_the_default_draft_is_int8_exactly_where_the_rows_kernel_runs(monkeypatch, rebuilt_kernel_choice):
+    """`load_pair`'s ``quantize_draft="auto"``: a bf16 draft goes to int8 where its layers run the rows kernel, and
+    stays as loaded on float32 weights, beside a bitsandbytes target, or without the kernel; a scheme given is kept."""
+    from hf_spec.loading.pair import draft_quantization
+
+    bf16, fp32 = make_tiny_model(seed=0).to(torch.bfloat16), make_tiny_model(seed=0)
+    assert draft_quantization("auto", bf16) == ("int8" if kernel_runs() else None)
+    assert draft_quantization("auto", fp32) is None
+    assert draft_quantization("auto", bf16, quantize="nf4") is None
+    assert draft_quantization("auto", bf16, quantize="int8") == ("int8" if kernel_runs() else None)
+    assert draft_quantization("int4", fp32) == "int4" and draft_quantization(None, bf16) is None
+    assert draft_quantization("8bit", bf16) is None  # bitsandbytes schemes are applied as the draft loads
+    monkeypatch.setenv(int8_rows.SWITCH, "0")
+    int8_rows._build.cache_clear()
+    assert draft_quantization("auto", bf16) is None
+
+
+def test_the_tiny_pair_keeps_a_float32_draft_by_default():
+    pair = hf_spec.load_pair("tiny", "tiny", optimize=False)
+    assert quantization_of(pair.draft) is None and "int8 weights" not in pair.describe()
+    assert "int8 weights" in hf_spec.load_pair("tiny", "tiny", quantize_draft="int8", optimize=False).describe()
+
+
+def test_a_draft_head_refuses_a_draft_scheme(tmp_path):
+    from hf_spec.heads import DraftHead
+
+    pair = hf_spec.load_pair("tiny", "tiny", optimize=False)
+    DraftHead.from_target(pair.target).save_pretrained(tmp_path / "head")
+    with pytest.raises(ValueError, match=r"`quantize_draft` 'int8': `draft` .* is a draft head"):
+        hf_spec.load_pair("tiny", str(tmp_path / "head"), quantize_draft="int8")

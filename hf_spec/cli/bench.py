@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=pair.tokenizer, profile=args.profile, draft_tokenizer=pair.draft_tokenizer, peer=peer,
     )
     report["config"].update(target=args.target, draft=args.draft, offset=args.offset,
-                            draft_quantization=args.quantize_draft,
+                            draft_quantization=getattr(pair.draft, "hf_spec_weight_only", None)
+                            or (None if args.quantize_draft in ("auto", "none") else args.quantize_draft),
                             cpu_paths={role: None if path is None else dataclasses.asdict(path)
                                        for role, path in (("target", pair.target_path), ("draft", pair.draft_path))})
     if not args.no_plot:
@@ -175,7 +176,7 @@ def run_first(args: argparse.Namespace) -> int:
     """``--first-call``: each method's first call in a fresh process (`hf_spec.bench.first_call`)."""
     unused = {"--variants": args.variants, "--draft-variants": args.draft_variants,
               "--draft-vocab-variants": args.draft_vocab_variants, "--min-new-tokens": args.min_new_tokens,
-              "--quantize": args.quantize, "--quantize-draft": args.quantize_draft, "--draft-vocab": args.draft_vocab,
+              "--quantize": args.quantize, "--quantize-draft": args.quantize_draft != "auto", "--draft-vocab": args.draft_vocab,
               "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1, "--openvino": args.openvino}
     given = [name for name, value in unused.items() if value]
     if given:

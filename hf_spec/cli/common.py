@@ -111,7 +111,9 @@ def draft_arguments() -> argparse.ArgumentParser:
                        help="as --target, or a folder with a draft head trained for the target")
     group.add_argument("--num-assistant-tokens", "-k", type=draft_tokens, default=DEFAULT_NUM_DRAFT_TOKENS,
                        help="draft tokens per round, or auto (chosen every round from measured acceptance and costs)")
-    group.add_argument("--quantize-draft", default=None, choices=SCHEMES, help="as --quantize, for the draft")
+    group.add_argument("--quantize-draft", default="auto", choices=(*SCHEMES, "auto", "none"),
+                       help="as --quantize, for the draft; auto: int8 where its int8 layers run hf_spec's rows kernel "
+                            "(bf16 on AVX512-BF16 CPUs), else none (the draft as loaded)")
     group.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
                        help="keep only the draft's N most frequent output ids (FR-Spec; exact: q = 0 elsewhere)")
     group.add_argument("--draft-vocab-corpus", default="stdlib",
@@ -207,7 +209,8 @@ def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     pair = load_pair(args.target, args.draft, dtype=args.dtype, quantize=args.quantize,
-                     quantize_draft=args.quantize_draft, draft_dtype=draft_dtype, seed=args.seed,
+                     quantize_draft=None if args.quantize_draft == "none" else args.quantize_draft,
+                     draft_dtype=draft_dtype, seed=args.seed,
                      optimize=optimize and not args.no_optimize, draft_vocab=args.draft_vocab,
                      draft_vocab_corpus=args.draft_vocab_corpus, draft_vocab_counts=args.draft_vocab_counts)
     if pair.target.name_or_path in ("", TINY):
