@@ -498,15 +498,19 @@ def test_first_calls_run_each_method_in_a_fresh_process(tmp_path, capsys):
 
     argv = ["bench", "--target", "tiny", "--draft", "tiny", "--first-call", "fresh", "--methods", "hf_spec_k3",
             "--prompts", "2", "--workloads", "code", "--settings", "greedy", "--max-new-tokens", "6", "--threads", "1",
-            "--no-progress", "--output", str(tmp_path / "first.json")]
+            "--kernel-baselines", "steps", "--no-progress", "--output", str(tmp_path / "first.json")]
     assert main(argv) == 0
     report = json.loads((tmp_path / "first.json").read_text())
-    assert report["config"]["methods"] == ["target_only", "hf_spec_k3"] and len(report["runs"]) == 4
-    assert {run["method"] for run in report["runs"] if run["prompt"] == 1} == {"target_only", "hf_spec_k3"}
-    assert [run["method"] for run in report["runs"]][:2] != [run["method"] for run in report["runs"]][2:]  # rotated
+    methods = ["target_only", "hf_spec_k3", "target_only@steps"]
+    assert report["config"]["methods"] == methods and len(report["runs"]) == 6
+    assert {run["method"] for run in report["runs"] if run["prompt"] == 1} == set(methods)
+    assert [run["method"] for run in report["runs"]][:3] != [run["method"] for run in report["runs"]][3:]  # rotated
     result = report["results"]["code/greedy"]
     assert result["target_only"]["speed_over_target_only"] == pytest.approx(1.0)
     assert all(n == 6 for n in result["hf_spec_k3"]["new_tokens"]) and result["hf_spec_k3"]["speed_over_target_only"]
+    for method in methods:  # the fastest target-only first call of each prompt is the stricter baseline
+        assert result[method]["speed_over_fastest_target_only"] <= result[method]["speed_over_target_only"] + 1e-9
+    assert "(in brackets: over the fastest target-only" in capsys.readouterr().out
     assert main([*argv, "--repeats", "2"]) == 2
     assert "it does not take --repeats" in capsys.readouterr().err
 

@@ -185,7 +185,9 @@ def run_first(args: argparse.Namespace) -> int:
     report = run_first_calls(args.target, args.draft, tuple(args.methods), tuple(dict.fromkeys(args.workloads)),
                              tuple(args.settings), args.prompts, num_draft_tokens=args.num_assistant_tokens,
                              max_new_tokens=args.max_new_tokens, dtype=args.dtype, threads=args.threads,
-                             offset=args.offset, seed=args.seed, store=args.first_call, progress=not args.no_progress)
+                             offset=args.offset, seed=args.seed, store=args.first_call,
+                             kernel_baselines=tuple(dict.fromkeys(args.kernel_baselines)),
+                             progress=not args.no_progress)
     emit(args, report, format_first_calls(report))
     return 0
 
