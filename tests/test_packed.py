@@ -31,6 +31,7 @@ from hf_spec.drafting.model import ModelDrafter
 from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading import packed
 from hf_spec.loading.packed import PackedLinear, cpu_path, deoptimize, optimize
+from hf_spec.loading.weight_only import quantize_weights
 from hf_spec.sizing import costs
 from hf_spec.sizing.costs import CostTable, probe_costs
 from hf_spec.sizing.estimates import SHIFT_EVIDENCE
@@ -341,3 +342,28 @@ def test_an_optimized_pair_starts_auto_k_from_its_kernel_timings_without_a_probe
     timed = pair.target_path.seconds[pair.target_path.name]
     assert all(table.target_block_seconds[width] == seconds for width, seconds in timed.items())
     assert {10, 12} <= set(table.target_block_seconds)  # extrapolated up to auto k's largest pass
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_chosen_path_is_kept_for_the_next_process(monkeypatch, tmp_path, role):
+    """`optimize` keeps its choice on disk: a later process (another model of the same kind) takes the same path and
+    timings without timing anything, and computes what it computed; another role, or the store off, times again; a
+    weight-only model keeps its timings (they seed auto k's costs)."""
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    first = optimize(make_tiny_model(seed=0).to(torch.bfloat16), role=role)
+    timed = optimize(quantize_weights(make_tiny_model(seed=0).to(torch.bfloat16), "int8"), role=role)
+    assert timed.name == "stock" and timed.seconds["stock"]
+    monkeypatch.setattr(packed, "time_passes", lambda *args: pytest.fail("timed again"))
+    again = make_tiny_model(seed=0).to(torch.bfloat16)
+    assert optimize(again, role=role) == first and cpu_path(again) == first
+    reference = make_tiny_model(seed=0).to(torch.bfloat16)
+    optimize(reference, path=first.name)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(again(prompt).logits, reference(prompt).logits)
+    assert optimize(quantize_weights(make_tiny_model(seed=1).to(torch.bfloat16), "int8"), role=role) == timed
+    with pytest.raises(pytest.fail.Exception, match="timed again"):
+        optimize(make_tiny_model(seed=0).to(torch.bfloat16), role="steps")
+    monkeypatch.setenv("HF_SPEC_COST_STORE", "off")
+    with pytest.raises(pytest.fail.Exception, match="timed again"):
+        optimize(make_tiny_model(seed=0).to(torch.bfloat16), role=role)

@@ -176,8 +176,9 @@ def run_first(args: argparse.Namespace) -> int:
     """``--first-call``: each method's first call in a fresh process (`hf_spec.bench.first_call`)."""
     unused = {"--variants": args.variants, "--draft-variants": args.draft_variants,
               "--draft-vocab-variants": args.draft_vocab_variants, "--min-new-tokens": args.min_new_tokens,
-              "--quantize": args.quantize, "--quantize-draft": args.quantize_draft != "auto", "--draft-vocab": args.draft_vocab,
-              "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1, "--openvino": args.openvino}
+              "--quantize": args.quantize, "--quantize-draft": args.quantize_draft != "auto",
+              "--draft-vocab": args.draft_vocab, "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1,
+              "--openvino": args.openvino}
     given = [name for name, value in unused.items() if value]
     if given:
         raise ValueError(f"--first-call times one call per process of the main pair as load_pair loads it; it does "

@@ -36,6 +36,7 @@ from hf_spec.forward import position_table
 from hf_spec.loading.cpu import release_freed_memory
 from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 from hf_spec.loading.packed_layer import PACKED_REFUSAL, PackedLinear, packed_linear  # noqa: F401 (re-exported)
+from hf_spec.sizing.cost_store import STORE_VARIABLE, load_path, path_key, save_path
 from hf_spec.sizing.costs import forget_costs
 from hf_spec.sizing.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 
@@ -104,6 +105,29 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
         raise ValueError(f"`widths` must be token counts in [1, {PREFIX_LENGTH}] including {sorted(needed)} (for role "
                          f"{role!r}), but is {widths!r}.")
     deoptimize(model)
+    key = path_key(model, role, widths, repeats) if path == "auto" else None
+    stored = None if key is None else load_path(key)
+    if stored is not None and (chosen := _restore(model, CpuPath(**stored))) is not None:
+        return chosen
+    chosen = _measure(model, path, role, widths, repeats)
+    if key is not None:
+        save_path(key, dataclasses.asdict(chosen))
+    return chosen
+
+
+def _restore(model: PreTrainedModel, path: CpuPath) -> CpuPath | None:
+    """A path chosen in an earlier process (`hf_spec.sizing.cost_store.load_path`) put in place without timing
+    anything; ``None`` where it no longer applies (oneDNN cannot pack here now)."""
+    if _unsupported(model):
+        return _keep(model, path) if path.name == "stock" else None
+    if path.name == "stock" or (path.name == "packed" and not _pack(model)):
+        return None
+    logger.info("CPU path %s as chosen by an earlier process (%s)", path.name, STORE_VARIABLE)
+    return _keep(model, dispatching(model, path))
+
+
+def _measure(model: PreTrainedModel, path: str, role: str, widths: list[int], repeats: int) -> CpuPath:
+    """`optimize`'s choice, measured (see there)."""
     refusal = _unsupported(model)
     if refusal:  # weight-only layers have no other path, but their timings seed auto k's costs (`prepare_pair`)
         timed = getattr(model, "hf_spec_weight_only", None) is not None and model.device.type == "cpu"

@@ -1,6 +1,8 @@
 """Probed costs kept on disk, so that a fresh process's first automatic call starts from measured costs without
 probing: one JSON file per (machine, torch, the two models' architectures, dtypes, devices and kernels, the drafter's
-kind, threads) under ``$HF_SPEC_CACHE/costs`` (`hf_spec.storage.cache_dir`).
+kind, threads) under ``$HF_SPEC_CACHE/costs`` (`hf_spec.storage.cache_dir`). The CPU paths
+`hf_spec.loading.packed.optimize` chose are kept there too, one file per (machine, torch, threads, role, the timed
+widths, the model's architecture, dtype and layers), so that a later process loads its models without timing them.
 
 Costs depend on the shapes and the kernels, not on the weights' values, so a model is identified by its config, dtype,
 device and the kinds of its modules and hooks (packed layers, the kernel dispatch), never by its weights.
@@ -42,30 +44,69 @@ def store_key(target, draft_model, drafter, threads: int) -> str:
 
 def load_table(key: str, table_type: type):
     """The stored table of ``key`` (a `hf_spec.sizing.costs.CostTable`), or ``None`` (none, unreadable, store off)."""
-    folder = store_folder()
-    if folder is None or not (folder / f"{key}.json").is_file():
-        return None
+    values = _read(key)
     try:
-        values = json.loads((folder / f"{key}.json").read_text())
-        return table_type(values["target_step_seconds"], values["draft_step_seconds"],
-                          {int(size): float(s) for size, s in values["target_block_seconds"].items()},
-                          {int(width): float(s) for width, s in values["draft_pass_seconds"].items()})
-    except (OSError, ValueError, KeyError, TypeError):
+        return None if values is None else table_type(
+            values["target_step_seconds"], values["draft_step_seconds"],
+            {int(size): float(s) for size, s in values["target_block_seconds"].items()},
+            {int(width): float(s) for width, s in values["draft_pass_seconds"].items()})
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # a damaged file is measured again, and overwritten
 
 
 def save_table(key: str, table) -> None:
-    """Keep ``table`` for later processes (written whole, then renamed: readers never see half a file)."""
+    """Keep ``table`` for later processes."""
+    _write(key, dataclasses.asdict(table))
+
+
+def path_key(model, role: str, widths: list[int], repeats: int) -> str:
+    """A file name for the CPU path `hf_spec.loading.packed.optimize` chose for a model of this kind, in this role,
+    on this machine and thread count (its timings decide it, and seed auto k's costs)."""
+    parts = ["cpu path", _machine(), torch.__version__, str(torch.get_num_threads()), role, str(sorted(widths)),
+             str(repeats), _model_signature(model)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def load_path(key: str) -> dict | None:
+    """The stored choice of ``key``: ``{"name", "aten_max_rows", "seconds", "reason"}`` (``seconds``: candidate ->
+    tokens -> seconds), or ``None``."""
+    values = _read(key)
+    try:
+        return None if values is None else {
+            "name": str(values["name"]), "aten_max_rows": int(values["aten_max_rows"]), "reason": str(values["reason"]),
+            "seconds": {str(name): {int(width): float(s) for width, s in by_width.items()}
+                        for name, by_width in values["seconds"].items()}}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_path(key: str, values: dict) -> None:
+    """Keep a chosen path (`load_path`'s fields) for later processes."""
+    _write(key, values)
+
+
+def _read(key: str) -> dict | None:
+    folder = store_folder()
+    if folder is None or not (folder / f"{key}.json").is_file():
+        return None
+    try:
+        return json.loads((folder / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(key: str, values: dict) -> None:
+    """Written whole, then renamed: readers never see half a file."""
     folder = store_folder()
     if folder is None:
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as file:
-            json.dump(dataclasses.asdict(table), file)
+            json.dump(values, file)
         os.replace(file.name, folder / f"{key}.json")
     except OSError:
-        pass  # a read-only cache: the costs stay in the process
+        pass  # a read-only cache: the values stay in the process
 
 
 def _machine() -> str:
@@ -88,7 +129,8 @@ def _model_signature(model) -> str:
         return ""
     config = getattr(model, "config", None)
     described = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else ""
-    kinds = sorted({type(module).__name__ for module in model.modules()})
+    kinds = sorted({type(module).__name__ + ("+rows kernel" if getattr(module, "takes_rows_kernel", False) else "")
+                    for module in model.modules()})  # an int8 layer on hf_spec's kernel or on torch's
     hooks = sorted(repr(getattr(getattr(hook, "__self__", None), "path", None))
                    for hook in model._forward_pre_hooks.values())
     return f"{described}|{getattr(model, 'dtype', None)}|{getattr(model, 'device', None)}|{kinds}|{hooks}"
