@@ -498,7 +498,8 @@ def test_first_calls_run_each_method_in_a_fresh_process(tmp_path, capsys):
 
     argv = ["bench", "--target", "tiny", "--draft", "tiny", "--first-call", "fresh", "--methods", "hf_spec_k3",
             "--prompts", "2", "--workloads", "code", "--settings", "greedy", "--max-new-tokens", "6", "--threads", "1",
-            "--kernel-baselines", "steps", "--no-progress", "--output", str(tmp_path / "first.json")]
+            "--kernel-baselines", "steps", "--min-new-tokens", "6", "--no-progress",
+            "--output", str(tmp_path / "first.json")]
     assert main(argv) == 0
     report = json.loads((tmp_path / "first.json").read_text())
     methods = ["target_only", "hf_spec_k3", "target_only@steps"]
@@ -508,6 +509,7 @@ def test_first_calls_run_each_method_in_a_fresh_process(tmp_path, capsys):
     result = report["results"]["code/greedy"]
     assert result["target_only"]["speed_over_target_only"] == pytest.approx(1.0)
     assert all(n == 6 for n in result["hf_spec_k3"]["new_tokens"]) and result["hf_spec_k3"]["speed_over_target_only"]
+    assert report["config"]["min_new_tokens"] == 6 and all(run["min_new_tokens"] == 6 for run in report["runs"])
     for method in methods:  # the fastest target-only first call of each prompt is the stricter baseline
         assert result[method]["speed_over_fastest_target_only"] <= result[method]["speed_over_target_only"] + 1e-9
     assert "(in brackets: over the fastest target-only" in capsys.readouterr().out

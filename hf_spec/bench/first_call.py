@@ -48,6 +48,8 @@ def worker(job: dict) -> dict:
         prompt = prompts[job["workload"]][0]
     spec = method_spec(method, job["num_draft_tokens"])
     settings = {**SETTINGS[job["setting"]], "max_new_tokens": job["max_new_tokens"]}
+    if job["min_new_tokens"] is not None:  # every method's text as long: sampled texts otherwise end where they end
+        settings["min_new_tokens"] = job["min_new_tokens"]
     if settings.get("do_sample"):
         torch.manual_seed(job["seed"] + job["prompt"])
     draft_kwargs = {} if pair.draft_tokenizer is None else {"tokenizer": pair.tokenizer,
@@ -63,8 +65,8 @@ def worker(job: dict) -> dict:
 
 def run_first_calls(target: str, draft: str, methods: tuple[str, ...], workloads: tuple[str, ...],
                     settings: tuple[str, ...], num_prompts: int, *, num_draft_tokens: int, max_new_tokens: int,
-                    dtype: str = "fastest", threads: int | None = None, offset: int = 0, seed: int = 0,
-                    store: str = "shared", kernel_baselines: tuple[str, ...] = (), progress: bool = True) -> dict:
+                    min_new_tokens: int | None = None, dtype: str = "fastest", threads: int | None = None,
+                    offset: int = 0, seed: int = 0, store: str = "shared", kernel_baselines: tuple[str, ...] = (), progress: bool = True) -> dict:
     """Every (workload, setting, prompt, method) first call, each in a fresh subprocess; the report (JSON-ready).
     ``kernel_baselines`` (``"stock"``, ``"steps"``) add target-only first calls on those paths of the target
     (``target_only@stock``: not optimized; ``target_only@steps``: on the path fastest for 1-token steps)."""
@@ -75,7 +77,8 @@ def run_first_calls(target: str, draft: str, methods: tuple[str, ...], workloads
     methods = tuple(dict.fromkeys(["target_only", *methods, *(f"target_only@{label}" for label in kernel_baselines)]))
     jobs = [{"target": target, "draft": draft, "method": method, "workload": workload, "setting": setting,
              "prompt": prompt, "num_prompts": num_prompts, "offset": offset, "num_draft_tokens": num_draft_tokens,
-             "dtype": dtype, "max_new_tokens": max_new_tokens, "threads": threads, "seed": seed}
+             "dtype": dtype, "max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, "threads": threads,
+             "seed": seed}
             for workload in workloads for setting in settings for prompt in range(num_prompts)
             for turn in range(len(methods)) for method in [methods[(turn + prompt) % len(methods)]]]
     runs = []
@@ -83,8 +86,8 @@ def run_first_calls(target: str, draft: str, methods: tuple[str, ...], workloads
         runs.append({**job, **_in_fresh_process(job, store)})
     return {"config": {"target": target, "draft": draft, "methods": list(methods), "workloads": list(workloads),
                        "settings": list(settings), "num_prompts": num_prompts, "num_draft_tokens": num_draft_tokens,
-                       "max_new_tokens": max_new_tokens, "dtype": dtype, "threads": threads, "store": store,
-                       "kernel_baselines": list(kernel_baselines)},
+                       "max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, "dtype": dtype,
+                       "threads": threads, "store": store, "kernel_baselines": list(kernel_baselines)},
             "results": summarize_first_calls(runs, methods), "runs": runs}
 
 

@@ -122,13 +122,13 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.output, "--output")
     if not args.no_plot:
         check_writable(args.plot, "--plot")
+    if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens {args.min_new_tokens}: more than --max-new-tokens {args.max_new_tokens}.")
     if args.first_call:
         return run_first(args)
     if args.quantize and args.quantize in args.variants:
         raise ValueError(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
-    if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
-        raise ValueError(f"--min-new-tokens {args.min_new_tokens}: more than --max-new-tokens {args.max_new_tokens}.")
     if not args.no_plot:
         require("matplotlib", "cli", "hf-spec bench's plot (or pass --no-plot)")
     if bool(args.openvino) != bool(args.openvino_python):
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 def run_first(args: argparse.Namespace) -> int:
     """``--first-call``: each method's first call in a fresh process (`hf_spec.bench.first_call`)."""
     unused = {"--variants": args.variants, "--draft-variants": args.draft_variants,
-              "--draft-vocab-variants": args.draft_vocab_variants, "--min-new-tokens": args.min_new_tokens,
+              "--draft-vocab-variants": args.draft_vocab_variants,
               "--quantize": args.quantize, "--quantize-draft": args.quantize_draft != "auto",
               "--draft-vocab": args.draft_vocab, "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1,
               "--openvino": args.openvino}
@@ -185,7 +185,8 @@ def run_first(args: argparse.Namespace) -> int:
                          f"not take {', '.join(given)}.")
     report = run_first_calls(args.target, args.draft, tuple(args.methods), tuple(dict.fromkeys(args.workloads)),
                              tuple(args.settings), args.prompts, num_draft_tokens=args.num_assistant_tokens,
-                             max_new_tokens=args.max_new_tokens, dtype=args.dtype, threads=args.threads,
+                             max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                             dtype=args.dtype, threads=args.threads,
                              offset=args.offset, seed=args.seed, store=args.first_call,
                              kernel_baselines=tuple(dict.fromkeys(args.kernel_baselines)),
                              progress=not args.no_progress)
