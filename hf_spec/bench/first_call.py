@@ -66,7 +66,8 @@ def worker(job: dict) -> dict:
 def run_first_calls(target: str, draft: str, methods: tuple[str, ...], workloads: tuple[str, ...],
                     settings: tuple[str, ...], num_prompts: int, *, num_draft_tokens: int, max_new_tokens: int,
                     min_new_tokens: int | None = None, dtype: str = "fastest", threads: int | None = None,
-                    offset: int = 0, seed: int = 0, store: str = "shared", kernel_baselines: tuple[str, ...] = (), progress: bool = True) -> dict:
+                    offset: int = 0, seed: int = 0, store: str = "shared", kernel_baselines: tuple[str, ...] = (),
+                    progress: bool = True) -> dict:
     """Every (workload, setting, prompt, method) first call, each in a fresh subprocess; the report (JSON-ready).
     ``kernel_baselines`` (``"stock"``, ``"steps"``) add target-only first calls on those paths of the target
     (``target_only@stock``: not optimized; ``target_only@steps``: on the path fastest for 1-token steps)."""
