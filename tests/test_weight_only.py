@@ -307,6 +307,14 @@ def test_the_default_draft_is_int8_exactly_where_the_rows_kernel_runs(monkeypatc
     assert draft_quantization("auto", bf16) is None
 
 
+def test_a_bad_draft_scheme_is_refused_by_name_before_loading(monkeypatch):
+    import hf_spec.loading.pair
+
+    monkeypatch.setattr(hf_spec.loading.pair, "load_model", lambda *args, **kwargs: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match=r"`quantize_draft` must be None, 'auto' or one of .* but is 'int3'"):
+        hf_spec.load_pair("tiny", "tiny", quantize_draft="int3")
+
+
 def test_the_tiny_pair_keeps_a_float32_draft_by_default():
     pair = hf_spec.load_pair("tiny", "tiny", optimize=False)
     assert quantization_of(pair.draft) is None and "int8 weights" not in pair.describe()

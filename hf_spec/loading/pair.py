@@ -30,7 +30,7 @@ from hf_spec.heads.saved import head_kind, load_head
 from hf_spec.loading import int8_rows, packed
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, cache_dir, is_converted, load
-from hf_spec.loading.quantization import first_device, quantized_copy
+from hf_spec.loading.quantization import SCHEMES, first_device, quantized_copy
 from hf_spec.loading.tiny import (
     TINY_OTHER_TOKENIZER,
     build_tiny_other_tokenizer_draft,
@@ -159,6 +159,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     """
     dtype = resolve_dtype(dtype)
     target, draft = model_name(target), model_name(draft)
+    if quantize_draft not in (None, "auto", *SCHEMES):
+        raise ValueError(f"`quantize_draft` must be None, 'auto' or one of {SCHEMES}, but is {quantize_draft!r}.")
     is_head = head_kind(draft) is not None
     if is_head and quantize_draft not in (None, "auto"):
         raise ValueError(f"`quantize_draft` {quantize_draft!r}: `draft` {draft!r} is a draft head, which keeps the "
