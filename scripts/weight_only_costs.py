@@ -1,9 +1,11 @@
 """Forward-pass costs of the built-in pair in bf16 (on its fastest CPU path, as `load_pair` chooses it) and with
-weight-only int8 and int4 layers (`hf_spec.loading.weight_only`): a decoding step, and passes over 2 to 8 tokens (a
+weight-only int8 and int4 layers, or int8 weights with inputs quantized on the fly (w8a8)
+(`hf_spec.loading.weight_only`): a decoding step, and passes over 2 to 8 tokens (a
 verify pass over k drafts feeds k + 1), after a 64-token prefix; and how far each quantized target is from bf16 (the
 greedy agreement of its first 32 tokens on 4 held-out code prompts, its perplexity on 512 tokens of 8 of them).
 
     python scripts/weight_only_costs.py --output benchmarks/avx512-bf16-amd/2026-12-06-weight-only-costs
+    python scripts/weight_only_costs.py --schemes int8 w8a8 --roles target --output ...
 
 Run it alone: every figure is a median of wall-clock passes on 2 threads.
 """
@@ -31,6 +33,9 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True, help="writes OUTPUT.json and OUTPUT.md")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--schemes", nargs="+", default=["int8", "int4", "w8a8"], choices=["int8", "int4", "w8a8"],
+                        help="besides bf16")
+    parser.add_argument("--roles", nargs="+", default=["target", "draft"], choices=["target", "draft"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import hf_spec
@@ -39,14 +44,16 @@ def main() -> None:
     from hf_spec.loading.quantization import quantized_copy
     from hf_spec.sizing.costs import forward_seconds
 
-    pair = hf_spec.load_pair()
+    pair = hf_spec.load_pair(quantize_draft=None)  # both bf16: each scheme quantizes a copy
     prompts = text_workloads(pair.tokenizer, ("code",), 8, offset=100)["code"]  # held-out HumanEval prompts
     prefix = torch.randint(100, 20000, (1, 64), generator=torch.Generator().manual_seed(0))
     text = torch.cat([prompt["input_ids"] for prompt in prompts], dim=1)[:, :512]
     report = {"machine": machine_info(), "widths": WIDTHS, "rows": []}
     greedy = {}
     for role, model in (("target", pair.target), ("draft", pair.draft)):
-        for scheme in ("bf16", "int8", "int4"):
+        if role not in args.roles:
+            continue
+        for scheme in ("bf16", *args.schemes):
             variant = model if scheme == "bf16" else quantized_copy(model, scheme)
             seconds = forward_seconds(variant, prefix, WIDTHS, repeats=args.repeats)
             row = {"model": role, "weights": scheme, "step_ms": seconds[1] * 1e3,
@@ -65,7 +72,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             del variant
     args.output.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    lines = [f"# Weight-only int8 / int4 costs ({report['machine']['cpu']}, {args.threads} threads)", "",
+    lines = [f"# Quantized weights' costs ({report['machine']['cpu']}, {args.threads} threads)", "",
              "| model | weights | step ms | " + " | ".join(f"{w}-token pass / step" for w in WIDTHS[1:])
              + " | perplexity | greedy tokens equal to bf16 |", "|---" * (4 + len(WIDTHS)) + "|"]
     for row in report["rows"]:

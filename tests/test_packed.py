@@ -367,3 +367,18 @@ def test_a_chosen_path_is_kept_for_the_next_process(monkeypatch, tmp_path, role)
     monkeypatch.setenv("HF_SPEC_COST_STORE", "off")
     with pytest.raises(pytest.fail.Exception, match="timed again"):
         optimize(make_tiny_model(seed=0).to(torch.bfloat16), role=role)
+
+
+def test_drafts_pruned_to_other_sizes_keep_their_own_paths(monkeypatch, tmp_path):
+    """A pruned vocabulary changes the output layer, not the config: two drafts pruned to different sizes are timed
+    each (they shared one stored path and its timings), two of the same size share it."""
+    from hf_spec.drafting.vocabulary import prune_vocabulary
+
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    timed, time_passes = [], packed.time_passes
+    monkeypatch.setattr(packed, "time_passes", lambda *args, **kwargs: timed.append(1) or time_passes(*args, **kwargs))
+    counts = []
+    for seed, size in [(0, 64), (1, 128), (2, 64)]:
+        optimize(prune_vocabulary(make_tiny_model(seed=seed).to(torch.bfloat16), range(size)), role="draft")
+        counts.append(len(timed))
+    assert 0 < counts[0] < counts[1] == counts[2]

@@ -49,12 +49,19 @@ def small_draft(full_precision):
     return make_noisy_copy(full_precision, seed=12, noise=1.0)
 
 
-@pytest.mark.parametrize("scheme", WEIGHT_ONLY_SCHEMES)
+def schemes_here() -> list:
+    """`WEIGHT_ONLY_SCHEMES`, ``"w8a8"`` skipped where its kernel does not run."""
+    return [pytest.param(scheme, marks=pytest.mark.skipif(
+        scheme == "w8a8" and int8_rows.dynamic_kernel() is None, reason="the w8a8 kernel does not run here"))
+        for scheme in WEIGHT_ONLY_SCHEMES]
+
+
+@pytest.mark.parametrize("scheme", schemes_here())
 def test_every_linear_layer_is_replaced_and_close_to_its_weights(full_precision, scheme):
     model = quantized_copy(full_precision, scheme)
     layers = {name: module for name, module in model.named_modules() if isinstance(module, WeightOnlyLinear)}
     assert not any(type(module) is torch.nn.Linear for module in model.modules())
-    assert layers["lm_head"].bits == 8 and layers["model.layers.0.mlp.up_proj"].bits == (8 if scheme == "int8" else 4)
+    assert layers["lm_head"].bits == 8 and layers["model.layers.0.mlp.up_proj"].bits == (4 if scheme == "int4" else 8)
     assert quantization_of(model) == scheme and quantization_of(full_precision) is None
     original = full_precision.model.layers[0].mlp.up_proj.weight
     error = (layers["model.layers.0.mlp.up_proj"].dequantized() - original).abs().max()
@@ -125,7 +132,7 @@ def test_negative_control_is_caught_with_a_quantized_target(full_precision, smal
     assert not fit_sequences(samples, exact_law(target, settings, user_processors)).is_consistent
 
 
-@pytest.mark.parametrize("scheme", WEIGHT_ONLY_SCHEMES)
+@pytest.mark.parametrize("scheme", schemes_here())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_ragged_batch_equals_quantized_target_only(scheme, dtype):
     plain = make_tiny_model(seed=0).to(dtype)
@@ -239,7 +246,7 @@ def test_what_the_kernels_cannot_take_is_refused_before_any_layer_changes():
         quantize_weights(model, "int4")
     assert not any(isinstance(module, WeightOnlyLinear) for module in model.modules())
     quantize_weights(model, "int8")  # int8 takes any width
-    with pytest.raises(ValueError, match=r"`quantize` must be one of \('int8', 'int4'\) here, but is 'int2'"):
+    with pytest.raises(ValueError, match=r"`quantize` must be one of \('int8', 'int4', 'w8a8'\) here, but is 'int2'"):
         quantize_weights(make_tiny_model(seed=0), "int2")
 
 

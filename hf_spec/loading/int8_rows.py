@@ -8,8 +8,15 @@ out for it (`tiles`: 32 inputs of 4 outputs side by side, one sequential stream 
 once in registers and multiplies it with every row (``vdpbf16ps``, float32 sums); a row's sum runs in the same order
 whatever the number of rows beside it, so a verify pass computes each position exactly as a step would.
 
+The same module holds ``int8_dynamic_mm`` for ``quantize="w8a8"`` (`hf_spec.loading.weight_only`): each row's inputs
+quantized to int8 per group of `GROUP` inputs, multiplied with the int8 weights by integer dot products (``vpdpbusd``,
+AVX512-VNNI; the weights laid out by `vnni_tiles`), so that nothing is converted per weight and a block of rows costs
+little more than one. A group's sum is an exact integer and the groups are added in order, so here too a row's
+output does not depend on the rows beside it.
+
 `rows_kernel()` is the compiled module, or ``None`` where it cannot run here (no AVX512-BF16, no C++ compiler or
 ``ninja``, or ``HF_SPEC_INT8_KERNEL=0``); `why_not()` says why, and int8 layers then use torch's kernel.
+`dynamic_kernel()` is the module where AVX512-VNNI runs too; ``"w8a8"`` is refused where it is ``None``.
 """
 
 from __future__ import annotations
@@ -33,7 +40,12 @@ TILE = 4
 #: Set to ``0`` to keep int8 layers on torch's kernel (for a comparison, or where building is unwanted); ``1``, the
 #: default, takes the rows kernel where it runs; any other value is an error.
 SWITCH = "HF_SPEC_INT8_KERNEL"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
+#: Inputs per activation scale of the ``"w8a8"`` multiply (`dynamic_kernel`): a layer's ``in_features`` must be a
+#: multiple.
+GROUP = 32
+#: Outputs per vector of the ``"w8a8"`` multiply: a layer's ``out_features`` must be a multiple.
+LANES = 16
 _BUILDING = threading.Lock()  # threads quantizing models at once build (or load) the module once
 
 
@@ -71,6 +83,18 @@ def rows_kernel() -> object | None:
     return module
 
 
+def dynamic_kernel() -> object | None:
+    """The compiled module where its ``int8_dynamic_mm(x, w, scales)`` runs (`rows_kernel`, on a CPU with AVX512-VNNI
+    too), else ``None``."""
+    module = rows_kernel()
+    return module if module is not None and _has_vnni() else None
+
+
+@functools.cache
+def _has_vnni() -> bool:
+    return "avx512_vnni" in cpu_flags()[1]
+
+
 def why_not() -> str | None:
     """Why `rows_kernel` is ``None``, or ``None`` when it runs."""
     return _build()[1]
@@ -97,3 +121,23 @@ def untiled(weight_tiles: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` from `tiles` (a copy), in the dtype of ``weight_tiles``."""
     groups, depth_blocks, tile, depth = weight_tiles.shape
     return weight_tiles.transpose(1, 2).reshape(groups * tile, depth_blocks * depth)
+
+
+def fits_dynamic(in_features: int, out_features: int) -> bool:
+    """Whether a layer of this shape can take ``int8_dynamic_mm`` (``in_features`` a multiple of `GROUP`,
+    ``out_features`` of `LANES`); the CPU and the build are checked by `dynamic_kernel`."""
+    return in_features % GROUP == 0 and out_features % LANES == 0
+
+
+def vnni_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """``int8_dynamic_mm``'s layout of int8 weights ``[out, in]``: the bytes ``codes + 128`` as
+    ``[out / LANES, in / 4, LANES, 4]`` (4 consecutive inputs of `LANES` outputs side by side)."""
+    out_features, in_features = codes.shape
+    unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
+    return unsigned.view(out_features // LANES, LANES, in_features // 4, 4).transpose(1, 2).contiguous()
+
+
+def from_vnni_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """int8 ``[out, in]`` from `vnni_tiles` (a copy)."""
+    blocks, quads, lanes, four = weight.shape
+    return (weight.transpose(1, 2).reshape(blocks * lanes, quads * four).to(torch.int16) - 128).to(torch.int8)

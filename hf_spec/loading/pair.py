@@ -39,7 +39,7 @@ from hf_spec.loading.tiny import (
     tiny_tokenizer,
 )
 from hf_spec.loading.vocabulary import draft_vocabulary
-from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, adopt_torchao, quantize_weights
+from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, adopt_torchao, check_runs_here, quantize_weights
 from hf_spec.mixin import speculative
 from hf_spec.sizing.costs import seed_costs
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS
@@ -141,7 +141,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
             float32.
         optimize: put each model on its fastest CPU forward path (`hf_spec.loading.packed.optimize`: the target for
             verifying blocks, the draft for steps), chosen by measurement.
-        quantize, quantize_draft: ``"int8"`` or ``"int4"`` (weight-only, torch's CPU kernels) or a bitsandbytes scheme
+        quantize, quantize_draft: ``"int8"`` or ``"int4"`` (weight-only, on hf_spec's and torch's CPU kernels),
+            ``"w8a8"`` (int8 weights and inputs quantized on the fly, where AVX512-VNNI runs), or a bitsandbytes scheme
             (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; a bitsandbytes target is spread by
             ``device_map="auto"``, and the draft goes to its first device. ``quantize_draft="auto"`` (the default)
             is ``"int8"`` where the draft's int8 layers run hf_spec's rows kernel (`draft_quantization`), else
@@ -165,6 +166,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     if is_head and quantize_draft not in (None, "auto"):
         raise ValueError(f"`quantize_draft` {quantize_draft!r}: `draft` {draft!r} is a draft head, which keeps the "
                          "target's dtype; drop `quantize_draft`.")
+    check_runs_here(quantize or "", "quantize")
+    check_runs_here(quantize_draft or "", "quantize_draft")
     target_model, tokenizer = load_model(target, dtype=dtype, quantize=quantize, seed=seed)
     if is_head:
         if draft_vocab is not None:

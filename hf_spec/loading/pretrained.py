@@ -37,7 +37,7 @@ from hf_spec.compat import drop_gguf_quantizer
 from hf_spec.extras import require
 from hf_spec.loading.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, PackagedModel
 from hf_spec.loading.cpu import release_freed_memory
-from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, quantize_weights
+from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, check_runs_here, quantize_weights
 from hf_spec.loading.wheels import download_wheels
 from hf_spec.storage import cache_dir
 
@@ -76,6 +76,8 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Pat
                                     "nor an existing folder.")
         location = str(Path(location).expanduser())
     weight_only = quantize in WEIGHT_ONLY_SCHEMES
+    if weight_only:
+        check_runs_here(quantize)  # before loading anything
     if quantize is not None and not weight_only:
         from transformers import AutoConfig
 

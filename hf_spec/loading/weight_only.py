@@ -15,7 +15,13 @@ is from the one it was made from is measured separately (`hf_spec.evaluation.qua
 The schemes:
 
 - ``"int8"``: every linear layer, the output layer included, int8;
-- ``"int4"``: every linear layer int4, the output layer int8 (the layer whose rounding moves the logits most).
+- ``"int4"``: every linear layer int4, the output layer int8 (the layer whose rounding moves the logits most);
+- ``"w8a8"``: every linear layer's weights int8 as in ``"int8"``, and its inputs quantized on the fly to int8, each
+  row per group of `hf_spec.loading.int8_rows.GROUP` inputs (scale: the group's largest magnitude over 127), so that
+  the multiply runs on integer dot products (AVX512-VNNI, `hf_spec.loading.int8_rows.dynamic_kernel`). A row's codes
+  depend on that row alone and its group sums are exact integers, so a verify pass computes each position exactly as
+  a step would. Runs only where the kernel does; it changes the model more than ``"int8"`` does (measure it with
+  `hf_spec.evaluation.quantization_error`).
 """
 
 from __future__ import annotations
@@ -23,11 +29,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_spec.loading.int8_rows import fits, rows_kernel, tiles, untiled
+from hf_spec.loading.int8_rows import (
+    GROUP,
+    dynamic_kernel,
+    fits,
+    fits_dynamic,
+    from_vnni_tiles,
+    rows_kernel,
+    tiles,
+    untiled,
+    vnni_tiles,
+    why_not,
+)
 from hf_spec.loading.packed import deoptimize
 
-#: The weight-only schemes (bitsandbytes' are in `hf_spec.loading.quantization`).
-WEIGHT_ONLY_SCHEMES = ("int8", "int4")
+#: The schemes on hf_spec's CPU kernels (bitsandbytes' are in `hf_spec.loading.quantization`): weight-only int8 and
+#: int4, and int8 weights with activations quantized on the fly (``"w8a8"``).
+WEIGHT_ONLY_SCHEMES = ("int8", "int4", "w8a8")
 #: Inputs per int4 group (a scale and a zero point each): torch's CPU kernel takes 32, 64, 128 or 256.
 INT4_GROUP = 32
 #: From this many rows on (a prompt's pass), an int8 layer multiplies by its int8 weight cast to the activations' dtype
@@ -53,17 +71,28 @@ class WeightOnlyLinear(nn.Module):
     ``[out, in]``) and ``scales_and_zeros`` ``[in / group, out, 2]``; ``bias`` ``[out]`` or ``None``.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int, int8: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, linear: nn.Linear, bits: int, int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 dynamic: bool = False):
         """``int8``: the codes ``[out, in]`` and scales ``[out]`` another library quantized (`adopt_torchao`);
-        otherwise ``linear``'s weight is quantized here."""
+        otherwise ``linear``'s weight is quantized here. ``dynamic``: inputs quantized on the fly (``"w8a8"``)."""
         super().__init__()
-        if bits not in (4, 8):
-            raise ValueError(f"`bits` must be 4 or 8, but is {bits!r}.")
+        if bits not in (4, 8) or (dynamic and bits != 8):
+            raise ValueError(f"`bits` must be 4 or 8 (8 with `dynamic`), but is {bits!r}.")
         self.bits, self.in_features, self.out_features = bits, linear.in_features, linear.out_features
+        self.dynamic = dynamic
         dtype = linear.weight.dtype
-        self.takes_rows_kernel = bits == 8 and fits(self.in_features, self.out_features, dtype) \
+        self.takes_rows_kernel = not dynamic and bits == 8 and fits(self.in_features, self.out_features, dtype) \
             and rows_kernel() is not None
-        if bits == 8:
+        self.takes_dynamic_kernel = dynamic and fits_dynamic(self.in_features, self.out_features) \
+            and dynamic_kernel() is not None
+        if dynamic:
+            codes, scales = int8 if int8 is not None else int8_codes(linear.weight.detach().float())
+            if self.takes_dynamic_kernel:
+                self.register_buffer("weight_vnni", vnni_tiles(codes))
+            else:
+                self.register_buffer("weight_int8", codes)
+            self.register_buffer("scales", scales.float())
+        elif bits == 8:
             codes, scales = int8 if int8 is not None else int8_codes(linear.weight.detach().float())
             if self.takes_rows_kernel:
                 self.register_buffer("weight_tiles", tiles(codes))
@@ -86,7 +115,12 @@ class WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
-        if self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
+        if self.dynamic and self.takes_dynamic_kernel:
+            taken = rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float()
+            out = dynamic_kernel().int8_dynamic_mm(taken.contiguous(), self.weight_vnni, self.scales).to(rows.dtype)
+        elif self.dynamic:
+            out = dynamic_int8_mm(rows, self.weight_int8, self.scales).to(rows.dtype)
+        elif self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
             out = self._dense_int8(rows)
         elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and (kernel := rows_kernel()):
             out = kernel.int8_rows_mm(rows.contiguous(), self.weight_tiles, self.scales.to(rows.dtype))
@@ -111,6 +145,8 @@ class WeightOnlyLinear(nn.Module):
 
     def int8_weight(self, dtype: torch.dtype = torch.int8) -> torch.Tensor:
         """The int8 weight ``[out, in]`` in ``dtype`` (from the kernel's tiles: a copy)."""
+        if self.takes_dynamic_kernel:
+            return from_vnni_tiles(self.weight_vnni).to(dtype)
         if self.takes_rows_kernel:
             return untiled(self.weight_tiles.to(dtype))
         return self.weight_int8.to(dtype)
@@ -128,7 +164,40 @@ class WeightOnlyLinear(nn.Module):
         return self.scales if self.bits == 8 else self.weight_int4
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+                + (", inputs int8 on the fly" if self.dynamic else ""))
+
+
+def quantized_inputs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` ``[M, K]`` quantized to int8 per group of `GROUP` inputs: the codes ``[M, K / GROUP, GROUP]`` (as
+    float32 integers) and scales ``[M, K / GROUP]`` (the group's largest magnitude / 127; round half to even), as
+    ``int8_dynamic_mm`` computes them."""
+    groups = rows.float().view(rows.shape[0], -1, GROUP)  # [M, G, GROUP]
+    scales = groups.abs().amax(dim=-1) / 127  # [M, G]
+    codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
+    return codes, scales
+
+
+def dynamic_int8_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``int8_dynamic_mm``'s product in torch: ``rows`` ``[M, K]`` quantized by `quantized_inputs`, times int8
+    ``codes`` ``[N, K]``, scaled by ``scales`` ``[N]``; float32 ``[M, N]``. Each group's sum is an exact integer in
+    float32 (at most 32 * 127 * 127 in magnitude), and groups are added in order, one elementwise step each, so a row's
+    output does not depend on the other rows. Where the kernel does not fit a layer's shape; slower than it."""
+    inputs, input_scales = quantized_inputs(rows)  # [M, G, GROUP], [M, G]
+    weights = codes.float().view(codes.shape[0], -1, GROUP)  # [N, G, GROUP]
+    out = rows.new_zeros(rows.shape[0], codes.shape[0], dtype=torch.float32)  # [M, N]
+    for group in range(weights.shape[1]):
+        exact = inputs[:, group] @ weights[:, group].T  # [M, N] integers
+        out = out + exact * input_scales[:, group, None]  # two roundings, the same for every element
+    return out * scales
+
+
+def check_runs_here(scheme: str, argument: str = "quantize") -> None:
+    """Refuse ``"w8a8"`` where its kernel does not run (no AVX512-VNNI or AVX512-BF16, or no C++ build), naming
+    ``argument``; other schemes run everywhere."""
+    if scheme == "w8a8" and dynamic_kernel() is None:
+        raise ValueError(f"`{argument}='w8a8'` needs hf_spec's int8 kernel with AVX512-VNNI, which does not run here "
+                         f"({why_not() or 'this CPU has no AVX512-VNNI'}); use 'int8'.")
 
 
 def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
@@ -141,7 +210,9 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if type(child) is nn.Linear]
-    plan = [(parent, name, child, 8 if scheme == "int8" or child is output else 4) for parent, name, child in layers]
+    plan = [(parent, name, child, 4 if scheme == "int4" and child is not output else 8)
+            for parent, name, child in layers]
+    check_runs_here(scheme)
     for _, name, child, bits in plan:
         if child.weight.device.type != "cpu":
             raise ValueError(f"`quantize={scheme!r}` runs on torch's CPU kernels, but layer {name!r} is on "
@@ -149,8 +220,11 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
         if bits == 4 and child.in_features % INT4_GROUP:
             raise ValueError(f"`quantize='int4'`: layer {name!r} has {child.in_features} inputs, not a multiple of "
                              f"{INT4_GROUP}; use 'int8'.")
+        if scheme == "w8a8" and child.in_features % GROUP:
+            raise ValueError(f"`quantize='w8a8'`: layer {name!r} has {child.in_features} inputs, not a multiple of "
+                             f"{GROUP}; use 'int8'.")
     for parent, name, child, bits in plan:
-        setattr(parent, name, WeightOnlyLinear(child, bits))
+        setattr(parent, name, WeightOnlyLinear(child, bits, dynamic=scheme == "w8a8"))
     model.hf_spec_weight_only = scheme
     return model
 

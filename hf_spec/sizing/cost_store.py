@@ -124,13 +124,17 @@ def _machine() -> str:
 
 
 def _model_signature(model) -> str:
-    """A model's config, dtype, device, module kinds and forward hooks' owners (kernel dispatch); no weights."""
+    """A model's config, dtype, device, linear layers' shapes (a pruned vocabulary's output layer is not in the
+    config), module kinds and forward hooks' owners (kernel dispatch); no weights."""
     if model is None:
         return ""
     config = getattr(model, "config", None)
     described = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else ""
     kinds = sorted({type(module).__name__ + ("+rows kernel" if getattr(module, "takes_rows_kernel", False) else "")
-                    for module in model.modules()})  # an int8 layer on hf_spec's kernel or on torch's
+                    + ("+dynamic kernel" if getattr(module, "takes_dynamic_kernel", False) else "")
+                    for module in model.modules()})  # an int8 layer on hf_spec's kernels or on torch's
     hooks = sorted(repr(getattr(getattr(hook, "__self__", None), "path", None))
                    for hook in model._forward_pre_hooks.values())
-    return f"{described}|{getattr(model, 'dtype', None)}|{getattr(model, 'device', None)}|{kinds}|{hooks}"
+    shapes = sorted({(module.in_features, module.out_features) for module in model.modules()
+                     if hasattr(module, "in_features") and hasattr(module, "out_features")})
+    return f"{described}|{getattr(model, 'dtype', None)}|{getattr(model, 'device', None)}|{shapes}|{kinds}|{hooks}"
