@@ -55,11 +55,11 @@ def test_inputs_are_quantized_per_row_and_group_of_32():
 
 @runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("out_features", [320, 40])
+@pytest.mark.parametrize("out_features", [336, 40])
 def test_each_row_is_computed_alone_as_the_reference_computes_it(dtype, out_features):
     """A verify pass's rows equal, bit for bit, what one-row steps compute (a row's codes, scales and group sums are
-    its own); the kernel (320 outputs) and the torch path (40: not a multiple of 16) compute the reference's product;
-    a row of zeros gives the bias."""
+    its own); the kernel (336 outputs: 21 tiles) and the torch path (40: not a multiple of 16) compute the
+    reference's product; a row of zeros gives the bias."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, out_features).to(dtype)
     layer = WeightOnlyLinear(linear, bits=8, dynamic=True)

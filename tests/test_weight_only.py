@@ -297,16 +297,20 @@ def test_a_pruned_draft_vocabulary_is_quantized_after_pruning():
     assert_greedy_batch_equals_target_only(pair.target, pair.draft, k=3)
 
 
-def test_the_default_draft_is_int8_exactly_where_the_rows_kernel_runs(monkeypatch, rebuilt_kernel_choice):
-    """`load_pair`'s ``quantize_draft="auto"``: a bf16 draft goes to int8 where its layers run the rows kernel, and
-    stays as loaded on float32 weights, beside a bitsandbytes target, or without the kernel; a scheme given is kept."""
+def test_the_default_draft_is_quantized_exactly_where_hf_specs_kernels_run(monkeypatch, rebuilt_kernel_choice):
+    """`load_pair`'s ``quantize_draft="auto"``: a bf16 draft goes to w8a8 where its kernel runs (AVX512-VNNI), to int8
+    where only the rows kernel runs, and stays as loaded on float32 weights, beside a bitsandbytes target, or without
+    the kernels; a scheme given is kept."""
     from hf_spec.loading.pair import draft_quantization
 
     bf16, fp32 = make_tiny_model(seed=0).to(torch.bfloat16), make_tiny_model(seed=0)
-    assert draft_quantization("auto", bf16) == ("int8" if kernel_runs() else None)
+    chosen = ("w8a8" if int8_rows.dynamic_kernel() is not None else "int8") if kernel_runs() else None
+    assert draft_quantization("auto", bf16) == chosen
     assert draft_quantization("auto", fp32) is None
     assert draft_quantization("auto", bf16, quantize="nf4") is None
-    assert draft_quantization("auto", bf16, quantize="int8") == ("int8" if kernel_runs() else None)
+    assert draft_quantization("auto", bf16, quantize="int8") == chosen
+    monkeypatch.setattr(int8_rows, "_has_vnni", lambda: False)
+    assert draft_quantization("auto", bf16) == ("int8" if kernel_runs() else None)
     assert draft_quantization("int4", fp32) == "int4" and draft_quantization(None, bf16) is None
     assert draft_quantization("8bit", bf16) is None  # bitsandbytes schemes are applied as the draft loads
     monkeypatch.setenv(int8_rows.SWITCH, "0")
