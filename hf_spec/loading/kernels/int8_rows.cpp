@@ -88,48 +88,38 @@ inline void store16(at::BFloat16* out, __m512 values) {  // round to nearest eve
   _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(values));
 }
 
-// out[m, 16 (t + u) + j] for m < MB, u < NT tiles side by side, j < 16 (float32 or bf16, row stride ldo); each
-// broadcast quad of a row's codes multiplies NT tiles.
-template <int MB, int NT, typename T>
-inline void dyn_tiles(const int8_t* q, const float* s, const int32_t* c, int64_t K, const uint8_t* w,
-                      const float* wscales, T* out, int64_t ldo) {
+// out[m, 16 t + j] for m < MB, j < 16 (float32 or bf16, row stride ldo), from tile t's weights w [K / 4, 16, 4].
+template <int MB, typename T>
+inline void dyn_tile(const int8_t* q, const float* s, const int32_t* c, int64_t K, const uint8_t* w,
+                     const float* wscales, T* out, int64_t ldo) {
   const int64_t G = K / kGroup;
-  __m512 sums[MB][NT];
-  for (int m = 0; m < MB; ++m)
-    for (int u = 0; u < NT; ++u) sums[m][u] = _mm512_setzero_ps();
+  __m512 sums[MB];
+  for (int m = 0; m < MB; ++m) sums[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[MB][NT];
-    for (int m = 0; m < MB; ++m)
-      for (int u = 0; u < NT; ++u) acc[m][u] = _mm512_set1_epi32(c[m * G + g]);
+    __m512i acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_set1_epi32(c[m * G + g]);
+    const uint8_t* wg = w + g * kGroup * kLanes;  // group g: 8 vectors of [16, 4]
     for (int i = 0; i < kGroup / 4; ++i) {
-      __m512i weights[NT];
-      for (int u = 0; u < NT; ++u)  // tile u's 8 vectors of [16, 4] for group g
-        weights[u] = _mm512_loadu_si512((const void*)(w + u * K * kLanes + g * kGroup * kLanes + i * 64));
+      const __m512i weights = _mm512_loadu_si512((const void*)(wg + i * 64));
       for (int m = 0; m < MB; ++m) {
         int32_t quad;
         std::memcpy(&quad, q + m * K + g * kGroup + i * 4, 4);
-        const __m512i codes = _mm512_set1_epi32(quad);
-        for (int u = 0; u < NT; ++u) acc[m][u] = _mm512_dpbusd_epi32(acc[m][u], weights[u], codes);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], weights, _mm512_set1_epi32(quad));
       }
     }
-    for (int m = 0; m < MB; ++m) {
-      const __m512 scale = _mm512_set1_ps(s[m * G + g]);
-      for (int u = 0; u < NT; ++u) sums[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][u]), scale, sums[m][u]);
-    }
+    for (int m = 0; m < MB; ++m)
+      sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_set1_ps(s[m * G + g]), sums[m]);
   }
-  for (int u = 0; u < NT; ++u) {
-    const __m512 scales = _mm512_loadu_ps(wscales + u * kLanes);
-    for (int m = 0; m < MB; ++m) store16(out + m * ldo + u * kLanes, _mm512_mul_ps(sums[m][u], scales));
-  }
+  const __m512 scales = _mm512_loadu_ps(wscales);
+  for (int m = 0; m < MB; ++m) store16(out + m * ldo, _mm512_mul_ps(sums[m], scales));
 }
 
 template <typename T>
 using DynTile = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, const float*, T*,
                          int64_t);
-template <typename T, int NT>
-const DynTile<T> kDynTiles[kDynRowBlock] = {dyn_tiles<1, NT, T>, dyn_tiles<2, NT, T>, dyn_tiles<3, NT, T>,
-                                            dyn_tiles<4, NT, T>, dyn_tiles<5, NT, T>, dyn_tiles<6, NT, T>,
-                                            dyn_tiles<7, NT, T>, dyn_tiles<8, NT, T>};
+template <typename T>
+const DynTile<T> kDynTiles[kDynRowBlock] = {dyn_tile<1, T>, dyn_tile<2, T>, dyn_tile<3, T>, dyn_tile<4, T>,
+                                            dyn_tile<5, T>, dyn_tile<6, T>, dyn_tile<7, T>, dyn_tile<8, T>};
 
 template <typename T>
 void dynamic_mm(const T* xp, int64_t M, int64_t K, const uint8_t* wp, const float* wsp, int64_t N, T* op,
@@ -143,9 +133,9 @@ void dynamic_mm(const T* xp, int64_t M, int64_t K, const uint8_t* wp, const floa
   at::parallel_for(0, N / kLanes, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < M; m0 += kDynRowBlock) {  // more than 8 rows: the tile again, from the cache
-        kDynTiles<T, 1>[std::min<int64_t>(kDynRowBlock, M - m0) - 1](qp + m0 * K, sp + m0 * G, cp + m0 * G, K,
-                                                                     wp + t * K * kLanes, wsp + t * kLanes,
-                                                                     op + m0 * N + t * kLanes, N);
+        kDynTiles<T>[std::min<int64_t>(kDynRowBlock, M - m0) - 1](qp + m0 * K, sp + m0 * G, cp + m0 * G, K,
+                                                                  wp + t * K * kLanes, wsp + t * kLanes,
+                                                                  op + m0 * N + t * kLanes, N);
       }
     }
   });
