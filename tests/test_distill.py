@@ -154,4 +154,5 @@ def test_distill_runs_as_one_job_under_accelerate_launch_with_two_processes(tmp_
     assert result["num_processes"] == 2 and result["train_sequences"] == 8
     assert result["log_history"][-1]["step"] == 4 and result["log_history"][-1]["epoch"] == 1.0
     assert finished.stdout.count("saved the distilled draft") == 1 and (tmp_path / "d" / "config.json").exists()
-    assert finished.stderr.count("target continuations: 100%") == 1, "the second process read the cache"
+    # one bar started (tqdm prints "100%" once or twice for one bar, by timing: its last update, then its close)
+    assert finished.stderr.count("target continuations:   0%") == 1, "the second process read the cache"
