@@ -10,7 +10,8 @@ elsewhere; int4 (groups of `INT4_GROUP` inputs, a scale and a zero point each) w
 
 Speculative decoding asks nothing of a quantized model: its p is what the quantized model computes, so the output
 law is that of target-only decoding with the quantized target (`tests/test_quantized.py`). How far a quantized model
-is from the one it was made from is measured separately (`hf_spec.evaluation.quantization_error`).
+is from the one it was made from is measured separately (perplexity and greedy agreement with the unquantized model:
+``scripts/weight_only_costs.py`` for the built-in pair).
 
 The schemes:
 
@@ -20,8 +21,8 @@ The schemes:
   row per group of `hf_spec.loading.int8_rows.GROUP` inputs (scale: the group's largest magnitude over 127), so that
   the multiply runs on integer dot products (AVX512-VNNI, `hf_spec.loading.int8_rows.dynamic_kernel`). A row's codes
   depend on that row alone and its group sums are exact integers, so a verify pass computes each position exactly as
-  a step would. Runs only where the kernel does; it changes the model more than ``"int8"`` does (measure it with
-  `hf_spec.evaluation.quantization_error`).
+  a step would. Runs only where the kernel does; it rounds more of the model than ``"int8"`` does (measure it as
+  above).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class WeightOnlyLinear(nn.Module):
     """A linear layer whose weights are int8 (per output row) or int4 (per group of `INT4_GROUP` inputs).
 
     Buffers: ``weight_int8`` ``[out, in]`` (or, where the int8 rows kernel runs, ``weight_tiles``, its layout of them:
-    `hf_spec.loading.int8_rows.tiles`) and ``scales`` ``[out]``; or ``weight_int4`` (torch's CPU packing of
+    `hf_spec.loading.int8_rows.tiles`; with ``dynamic`` where its kernel runs, ``weight_vnni``:
+    `hf_spec.loading.int8_rows.vnni_tiles`) and ``scales`` ``[out]``; or ``weight_int4`` (torch's CPU packing of
     ``[out, in]``) and ``scales_and_zeros`` ``[in / group, out, 2]``; ``bias`` ``[out]`` or ``None``.
     """
 

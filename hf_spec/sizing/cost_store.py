@@ -135,6 +135,6 @@ def _model_signature(model) -> str:
                     for module in model.modules()})  # an int8 layer on hf_spec's kernels or on torch's
     hooks = sorted(repr(getattr(getattr(hook, "__self__", None), "path", None))
                    for hook in model._forward_pre_hooks.values())
-    shapes = sorted({(module.in_features, module.out_features) for module in model.modules()
+    shapes = sorted({f"{module.in_features}x{module.out_features}" for module in model.modules()
                      if hasattr(module, "in_features") and hasattr(module, "out_features")})
     return f"{described}|{getattr(model, 'dtype', None)}|{getattr(model, 'device', None)}|{shapes}|{kinds}|{hooks}"
