@@ -81,6 +81,18 @@ def test_each_row_is_computed_alone_as_the_reference_computes_it(dtype, out_feat
 
 
 @runs_here
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_reaches_its_rows_output_as_in_the_reference(bad):
+    """A NaN or inf input is not rounded away: its row's outputs are not finite, on the kernel as in torch."""
+    layer = WeightOnlyLinear(torch.nn.Linear(64, 32), bits=8, dynamic=True)
+    rows = torch.randn(2, 64)
+    rows[0, 3] = bad
+    out, reference = layer(rows), dynamic_int8_mm(rows, layer.int8_weight(), layer.scales)
+    assert not out[0].isfinite().any() and not reference[0].isfinite().any()
+    assert torch.equal(out[1], layer(rows[1:])[0])
+
+
+@runs_here
 def test_law_and_negative_control_with_a_w8a8_target(full_precision):
     target = speculative(quantized_copy(full_precision.to(torch.bfloat16), "w8a8"))
     draft = make_noisy_copy(full_precision, seed=12, noise=1.0).to(torch.bfloat16)

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -70,12 +71,18 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* s, int32_t* c)
     float xg[kGroup];
     for (int64_t i = 0; i < kGroup; ++i) xg[i] = static_cast<float>(x[g * kGroup + i]);
     float top = 0.f;
-    for (int64_t i = 0; i < kGroup; ++i) top = std::max(top, std::abs(xg[i]));
-    const float scale = top / 127.f;
+    bool is_nan = false;  // std::max drops a NaN: keep it, so that the scale carries it to the output (as torch's amax)
+    for (int64_t i = 0; i < kGroup; ++i) {
+      top = std::max(top, std::abs(xg[i]));
+      is_nan = is_nan || std::isnan(xg[i]);
+    }
+    const float scale = is_nan ? std::numeric_limits<float>::quiet_NaN() : top / 127.f;
     int32_t total = 0;
     for (int64_t i = 0; i < kGroup; ++i) {
-      const int32_t code = scale > 0.f ? static_cast<int32_t>(std::nearbyint(xg[i] / scale)) : 0;
-      q[g * kGroup + i] = static_cast<int8_t>(std::min(127, std::max(-127, code)));
+      // clamped as a float before the cast: a non-finite input (whose scale then carries it to the output) never
+      // reaches an undefined float-to-int conversion
+      const float code = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(xg[i] / scale))) : 0.f;
+      q[g * kGroup + i] = static_cast<int8_t>(code);
       total += q[g * kGroup + i];
     }
     s[g] = scale;
