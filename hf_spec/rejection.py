@@ -8,7 +8,10 @@ Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"):
   the last draft token;
 - accepted: ``x_i`` is kept with probability ``min(1, p_i(x_i) / q_i(x_i))``, in order, up to the first rejection;
 - recovered: at the first rejection ``j``, one token from ``normalize(max(0, p_j - q_j))``;
-- bonus: when all ``k`` draft tokens are accepted, one token from ``p_{k+1}``.
+- bonus: when all ``k`` draft tokens are accepted, one token from ``p_{k+1}``;
+- reach: ``P(at least j draft tokens kept | the drafted block)``, j = 0 .. k, over the rule's uniforms only
+  (``with_reach=True``). Its mean over blocks is the chance to keep j tokens, as the drawn count's is, with less
+  noise: the automatic sizers learn acceptance from it (`hf_spec.sizing.estimates.PositionalAcceptance.add_reach`).
 
 Each row emits its accepted draft tokens followed by exactly one recovered or bonus token, and that token sequence
 has exactly the law of sampling the target alone. The bonus is the recovered rule with ``q_{k+1} = 0``, which is
@@ -59,7 +62,9 @@ def accept_draft_tokens(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    with_reach: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Speculative sampling for one block: accept a prefix of the draft, then recover or add a bonus token.
 
     Args:
@@ -67,11 +72,13 @@ def accept_draft_tokens(
         draft_probs: ``[batch, k, vocab]`` q, the exact laws the draft tokens were sampled from.
         target_probs: ``[batch, k + 1, vocab]`` p, the target's laws at the same positions plus one.
         generator: the source of randomness.
+        with_reach: also return the reach.
 
     Returns:
         output_ids: ``[batch, k + 1]``; row b holds ``num_accepted[b]`` draft tokens, then the recovered or bonus
             token, then ``NOT_EMITTED``.
         num_accepted: ``[batch]`` int64 in ``[0, k]``.
+        reach (``with_reach``): ``[batch, k + 1]`` float64, ``prod_{i <= j} min(1, p_i(x_i) / q_i(x_i))``.
     """
     batch_size, k, vocab_size = _check_block(draft_ids, draft_probs, target_probs)
 
@@ -85,6 +92,7 @@ def accept_draft_tokens(
     )  # [batch, k]
     is_accepted = (q_of_draft > 0) & (uniforms * q_of_draft < p_of_draft)  # [batch, k]
     num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    ratios = torch.where(q_of_draft > 0, p_of_draft / q_of_draft.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
 
     # 2. At position j = num_accepted sample from max(0, p_j - q_j), with q_{k+1} = 0 giving the bonus token.
     #    A residual that sums to 0 means p_j == q_j, where rejection has probability 0; p_j keeps it well defined.
@@ -95,7 +103,8 @@ def accept_draft_tokens(
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
     next_ids = sample_from_weights(residual, generator)  # [batch]
 
-    return _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+    output = _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+    return (*output, prefix_products(ratios.clamp_max(1.0))) if with_reach else output
 
 
 def accept_block(
@@ -103,7 +112,9 @@ def accept_block(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    with_reach: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Block verification (Sun et al. 2025, "Block Verification Accelerates Speculative Decoding", Algorithm 2): the
     drafted block is judged as a whole. Same arguments and returns as :func:`accept_draft_tokens`; the output has
     the target's law too, and in expectation at least as many draft tokens are kept (the paper's Theorem 2: no
@@ -121,7 +132,8 @@ def accept_block(
     the draft did cannot make up for an earlier one it liked less. Block verification lets it, which keeps more.
 
     The rule needs the block's length fixed before drafting (a draft that stops early on its own confidence is
-    verified token by token: `hf_spec.rounds.ChainRounds.accept`).
+    verified token by token: `hf_spec.rounds.ChainRounds.accept`). With ``with_reach`` it also returns the reach
+    ``[batch, k + 1]``: the uniforms are independent, so ``P(tau >= j) = 1 - prod_{i = j .. k} (1 - h_i)``.
     """
     batch_size, k, vocab_size = _check_block(draft_ids, draft_probs, target_probs)
 
@@ -139,7 +151,16 @@ def accept_block(
     p_next = target_probs.gather(1, index).squeeze(1)  # [batch, vocab]
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next.double())
     next_ids = sample_from_weights(residual, generator)  # [batch]
-    return _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+    output = _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
+    if not with_reach:
+        return output
+    never_after = (1 - stop[:, 1:]).flip(-1).cumprod(dim=-1).flip(-1)  # [batch, k]: no stop at j .. k
+    return (*output, F.pad(1 - never_after, (1, 0), value=1.0))
+
+
+def prefix_products(ratios: torch.Tensor) -> torch.Tensor:
+    """``[batch, k]`` -> ``[batch, k + 1]``: 1, then the products of the first 1 .. k ratios."""
+    return F.pad(ratios, (1, 0), value=1.0).cumprod(dim=-1)
 
 
 def block_laws(draft_ids: torch.Tensor, draft_probs: torch.Tensor,

@@ -60,6 +60,7 @@ class Accepted:
     logits: torch.Tensor  # [active, m + 1, vocab] raw target logits along what was kept
     scores: torch.Tensor  # [active, m + 1, vocab] processed
     path: list[int] | None = None  # a tree's accepted nodes, root's child first
+    reach: torch.Tensor | None = None  # [active, m + 1] float64: P(>= j kept | the draft) where the rule reports it
 
 
 class Round(abc.ABC):
@@ -149,16 +150,19 @@ class ChainRound(Round):
         return Verified(logits, scores, features, batch.model_ids.shape[1])
 
     def accept(self, verified: Verified, context: DraftContext) -> Accepted:
-        if context.do_sample:
-            output_ids, num_accepted = self.verification.chain(
-                self.proposal.draft_ids, self.proposal.draft_probs, verified.scores.softmax(dim=-1), context.generator)
-        else:
+        if not context.do_sample:
             output_ids, num_accepted = accept_greedy(self.proposal.draft_ids, verified.scores)
-        return Accepted(output_ids, num_accepted, verified.logits, verified.scores)
+            return Accepted(output_ids, num_accepted, verified.logits, verified.scores)  # the counts are the reach
+        with_reach = {"with_reach": True} if self.verification.reports_reach else {}
+        output_ids, num_accepted, *reach = self.verification.chain(
+            self.proposal.draft_ids, self.proposal.draft_probs, verified.scores.softmax(dim=-1), context.generator,
+            **with_reach)
+        return Accepted(output_ids, num_accepted, verified.logits, verified.scores, reach=reach[0] if reach else None)
 
     def learn(self, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
               verify_seconds: float | None) -> None:
-        self.sizer.learn_chain(self.proposal, num_accepted, draft_seconds, verify_seconds)
+        reach = None if accepted.reach is None else accepted.reach.tolist()  # read after the counts: no wait
+        self.sizer.learn_chain(self.proposal, num_accepted, draft_seconds, verify_seconds, reach)
 
 
 @dataclasses.dataclass

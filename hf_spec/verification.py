@@ -35,6 +35,10 @@ class Verification:
         needs_fixed_length: whether the chain rule needs the block's length fixed before drafting (block
             verification does); a draft that stops early on its own confidence (``assistant_confidence_threshold``)
             then runs `TOKEN`'s chain rule.
+        reports_reach: whether the chain rule takes ``with_reach=True`` and then also returns each row's reach
+            ``[rows, k + 1]`` (`hf_spec.rejection`): the chance, over the rule's own randomness, to keep at least j
+            of the drafted tokens. ``num_assistant_tokens="auto"`` learns acceptance from it (less noisy than the
+            counts drawn); without it, from the counts.
     """
 
     chain: Callable
@@ -42,14 +46,16 @@ class Verification:
     chain_name: str
     tree_name: str
     needs_fixed_length: bool = False
+    reports_reach: bool = False
 
     def for_chains(self, stops_early: bool) -> Verification:
         """The rules a chain call runs: `TOKEN` where the draft stops early and this chain rule cannot."""
         return TOKEN if stops_early and self.needs_fixed_length else self
 
 
-BLOCK = Verification(accept_block, accept_traversal, "block", "traversal", needs_fixed_length=True)
-TOKEN = Verification(accept_draft_tokens, accept_tree, "token", "tree")
+BLOCK = Verification(accept_block, accept_traversal, "block", "traversal", needs_fixed_length=True,
+                     reports_reach=True)
+TOKEN = Verification(accept_draft_tokens, accept_tree, "token", "tree", reports_reach=True)
 #: The rules by the name ``generate(verification=...)`` takes.
 VERIFICATIONS = {"block": BLOCK, "token": TOKEN}
 

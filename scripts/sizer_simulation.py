@@ -33,6 +33,12 @@ text's own structure: easy lines, hard names, the end of a completion. ``--c`` a
 (a target pass over m tokens costs ``1 + slope (m - 1)`` steps); every fixed k of 0 .. 10 and auto k run on the same
 draws (paired), and auto's per-text ratio to the best fixed k is reported beside the mean.
 
+With ``--reach`` (and ``--replay``) auto k runs twice: learning from the drawn counts, and from the reach
+(`hf_spec.sizing.estimates.PositionalAcceptance.add_reach`, as ``generate()`` does on sampled calls): each drafted
+token's chance is the text position's measured probability. The real rule's chance for a drafted token,
+min(1, p / q), varies around that mean (1 - TV) from token to token, so the simulation's reach is less noisy than
+``generate()``'s: it bounds what the reach can gain.
+
 ``--reach-errors Z`` sets `hf_spec.sizing.draft_length.REACH_ERRORS` (0: auto never reaches one position past
 its best k, as before that rule), to compare the rule on and off on the same draws.
 
@@ -45,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
+import operator
 import random
 import statistics
 
@@ -99,6 +107,10 @@ class Replay:
     def mean(self) -> float:
         return statistics.mean(self.along)
 
+    def chances(self, k: int) -> list[float]:
+        """The acceptance probabilities of the next ``k`` drafted tokens (0 past the text's end)."""
+        return [self.along[t] if t < len(self.along) else 0.0 for t in range(self.position, self.position + k)]
+
     def draw(self, k: int, rng: random.Random) -> int:
         t = self.position
         accepted = next((i for i in range(k) if t + i >= len(self.along) or rng.random() >= self.along[t + i]), k)
@@ -115,16 +127,18 @@ def block(size: int) -> float:
 
 
 def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: random.Random, tokens: int = 128,
-         start: tuple[float, int] = (0.0, 0), catch_up: float = 0.0, told: bool = True):
+         start: tuple[float, int] = (0.0, 0), catch_up: float = 0.0, told: bool = True, reach: bool = False):
     """One call; ``sizer`` is a fixed k or an `AutoDraftLength`; ``start``: the acceptance of the first tokens, and
-    how many; ``catch_up``: draft steps more for a pass that catches up; ``told``: the sizer hears of it. Returns
-    emitted tokens per second."""
+    how many; ``catch_up``: draft steps more for a pass that catches up; ``told``: the sizer hears of it;
+    ``reach``: the sizer learns from a `Replay`'s chances instead of the count drawn. Returns emitted tokens per
+    second."""
     seconds = emitted = 0.0
     a = copy.copy(a)  # a `Bursty` text starts each call afresh, in an easy stretch
     slow, first, lag = False, True, 0  # lag: tokens the draft's next first pass feeds beyond one
     while emitted < tokens:
         k = sizer if isinstance(sizer, int) else sizer.choose(limit=int(tokens - emitted))
         a_now = start[0] if emitted < start[1] else a
+        chances = a_now.chances(k) if reach and isinstance(a_now, Replay) else None
         if isinstance(a_now, (Bursty, Replay)):
             accepted = a_now.draw(k, rng)
         else:
@@ -138,7 +152,8 @@ def call(sizer: AutoDraftLength | int, a: float, c: float, phases: bool, rng: ra
         verify = block(k + 1) * factor * rng.uniform(0.9, 1.1)
         if not isinstance(sizer, int):
             sizer.update(k, [accepted], draft_seconds=draft, num_model_steps=k,
-                         verify_seconds=None if first else verify, num_catch_up_tokens=extra if told else 0)
+                         verify_seconds=None if first else verify, num_catch_up_tokens=extra if told else 0,
+                         reach=None if chances is None else [[1.0, *itertools.accumulate(chances, operator.mul)]])
         lag = lag + 1 if k == 0 else int(accepted == k)
         first = False
         seconds, emitted = seconds + draft + verify, emitted + accepted + 1
@@ -171,32 +186,39 @@ def shift_row(calls: int) -> dict:
             "auto_over_best_fixed": statistics.mean(autos) / fixed[best], "calls_stuck_at_plain_steps": stuck}
 
 
-def replay_rows(path: str, c: float, calls: int) -> list[dict]:
+def replay_rows(path: str, c: float, calls: int, reach: bool = False, tokens: int | None = None) -> list[dict]:
     """Every fixed k (0 .. 10) and auto k on each text of an `hf-spec eval-draft` report, ``calls`` paired draws per
-    text (seed i for call i of every method): the mean over texts, and auto over the best fixed k per text."""
+    text (seed i for call i of every method): the mean over texts, and auto over the best fixed k per text; with
+    ``reach``, auto learning from the reach too (``auto_reach``); ``tokens``: each text's first tokens only."""
     with open(path) as file:
         report = json.load(file)
     report = report.get("predicted", report)  # the CLI's report holds `AcceptanceReport` under "predicted"
-    texts = [Replay(along) for along in report["acceptance_along_text"] if along]
+    texts = [Replay(along[:tokens]) for along in report["acceptance_along_text"] if along]
     common = {"c": c, "phases": False, "catch_up": 0.0}
     per_text = []
     for text in texts:
         runs = {k: [call(k, a=text, rng=random.Random(i), tokens=len(text.along), **common) for i in range(calls)]
                 for k in range(11)}
-        runs["auto"] = [call(auto_sizer(c), a=text, rng=random.Random(i), tokens=len(text.along), **common)
-                        for i in range(calls)]
+        for name, learns_reach in (("auto", False), ("auto_reach", True))[:1 + reach]:
+            runs[name] = [call(auto_sizer(c), a=text, rng=random.Random(i), tokens=len(text.along),
+                               reach=learns_reach, **common) for i in range(calls)]
         per_text.append({name: statistics.mean(rates) for name, rates in runs.items()})
     mean = {name: statistics.mean(row[name] for row in per_text) for name in per_text[0]}
     best = max(range(11), key=mean.get)
     ratios = [row["auto"] / max(row[k] for k in range(11)) for row in per_text]
     acceptance = statistics.mean(text.mean() for text in texts)
+    with_reach = f", auto from the reach {mean['auto_reach'] / mean[best]:.3f}" if reach else ""
     print(f"{path} c={c} slope={BLOCK_SLOPE}: {len(texts)} texts, acceptance {acceptance:.3f}"
           f"; best fixed k = {best} ({mean[best]:.3f}), auto {mean['auto']:.3f} = {mean['auto'] / mean[best]:.3f} of "
-          f"it; auto / each text's best fixed k: median {statistics.median(ratios):.3f} [{min(ratios):.3f}, "
-          f"{max(ratios):.3f}]")
-    return [{"replay": path, "settings": report.get("settings"), "cost_ratio": c, "block_slope": BLOCK_SLOPE,
-             "texts": len(texts), "best_fixed_k": best, "mean": mean, "auto_over_best_fixed": mean["auto"] / mean[best],
-             "auto_over_each_texts_best": ratios, "per_text": per_text}]
+          f"it{with_reach}; auto / each text's best fixed k: median {statistics.median(ratios):.3f} "
+          f"[{min(ratios):.3f}, {max(ratios):.3f}]")
+    row = {"replay": path, "settings": report.get("settings"), "cost_ratio": c, "block_slope": BLOCK_SLOPE,
+           "texts": len(texts), "tokens": tokens, "best_fixed_k": best, "mean": mean,
+           "auto_over_best_fixed": mean["auto"] / mean[best], "auto_over_each_texts_best": ratios,
+           "per_text": per_text}
+    if reach:
+        row["auto_reach_over_best_fixed"] = mean["auto_reach"] / mean[best]
+    return [row]
 
 
 def main() -> None:
@@ -212,6 +234,8 @@ def main() -> None:
                         "stretches (`Bursty`: code-like), paired")
     parser.add_argument("--replay", nargs="+", default=None, metavar="FILE",
                         help="`hf-spec eval-draft --output` reports: replay their texts' measured acceptance")
+    parser.add_argument("--reach", action="store_true", help="--replay: auto also learning from the reach")
+    parser.add_argument("--tokens", type=int, default=None, help="--replay: each text's first tokens only")
     parser.add_argument("--c", type=float, nargs="+", default=[0.42], help="draft step / target step (--replay)")
     parser.add_argument("--block-slope", type=float, default=BLOCK_SLOPE, help="target pass cost per extra token")
     parser.add_argument("--reach-errors", type=float, default=None,
@@ -221,7 +245,8 @@ def main() -> None:
     if args.reach_errors is not None:
         draft_length.REACH_ERRORS = args.reach_errors
     if args.replay:
-        rows = [row for path in args.replay for c in args.c for row in replay_rows(path, c, args.calls)]
+        rows = [row for path in args.replay for c in args.c
+                for row in replay_rows(path, c, args.calls, args.reach, args.tokens)]
         if args.output:
             with open(args.output, "w") as file:
                 json.dump({"calls": args.calls, "rows": rows}, file, indent=1)

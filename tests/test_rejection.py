@@ -307,3 +307,39 @@ def test_block_verification_laws_give_the_target_law_exactly(k, broken):
     for _ in range(k):
         exact = np.einsum("...a,ab->...ab", exact, p_chain.numpy())
     assert (np.abs(law - exact).max() > 1e-3) if broken else (np.abs(law - exact).max() < 1e-12)
+
+
+@pytest.mark.parametrize("rule", [accept_draft_tokens, accept_block])
+def test_the_reach_is_the_chance_to_keep_each_prefix_of_the_draft(rule):
+    """The reach a rule reports for a fixed draft equals the frequency with which it keeps at least j tokens of that
+    draft over its own uniforms (60,000 draws of each of 4 drafts of the chain, within 4 standard errors), and it
+    is 1, non-increasing, for every row. Negative control: the other rule's reach, for the same drafts, lies outside
+    those bounds somewhere (block verification keeps later tokens that token-wise rejection drops)."""
+    p_chain, q_chain = _chains(seed=0)
+    k, num_draws = 4, 60_000
+    draft_ids, draft_probs = _draft_block(q_chain, torch.zeros(4, dtype=torch.long), k, _gen(60))
+    target_probs = p_chain[torch.cat([torch.zeros(4, 1, dtype=torch.long), draft_ids], 1)]
+    _, _, reach = rule(draft_ids, draft_probs, target_probs, _gen(61), with_reach=True)  # [4, k + 1]
+    assert reach.dtype == torch.float64 and reach.shape == (4, k + 1)
+    assert (reach[:, 0] == 1).all() and (reach[:, 1:] <= reach[:, :-1]).all(), reach
+    other = accept_block if rule is accept_draft_tokens else accept_draft_tokens
+    other_reach = other(draft_ids, draft_probs, target_probs, _gen(61), with_reach=True)[2]
+    is_other_off = False
+    for row in range(4):
+        repeat = (lambda tensor: tensor[row:row + 1].expand(num_draws, *tensor.shape[1:]))
+        _, num_accepted = rule(repeat(draft_ids), repeat(draft_probs), repeat(target_probs), _gen(62 + row))
+        frequency = torch.stack([(num_accepted >= j).double().mean() for j in range(k + 1)])  # [k + 1]
+        bound = 4 * (frequency * (1 - frequency) / num_draws).sqrt() + 1e-3
+        assert ((frequency - reach[row]).abs() <= bound).all(), (row, frequency, reach[row])
+        is_other_off |= bool(((frequency - other_reach[row]).abs() > bound).any())
+    assert is_other_off, (reach, other_reach)
+
+
+def test_the_reach_of_a_draft_the_target_cannot_emit_stops_there():
+    """A drafted token the target gives probability 0 is never kept: the reach is 0 from there on, under both rules
+    (block verification's later tokens cannot make up for it, since its kept mass p_i is 0)."""
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]])
+    q = torch.tensor([[[0.4, 0.3, 0.3], [0.3, 0.3, 0.4]]])
+    for rule in (accept_draft_tokens, accept_block):
+        _, num_accepted, reach = rule(torch.tensor([[2, 1]]), q, p, _gen(), with_reach=True)
+        assert reach.tolist() == [[1.0, 0.0, 0.0]] and num_accepted.item() == 0, rule

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -11,9 +12,11 @@ from helpers import exact_law, sample_speculative
 from transformers import GenerationConfig, WatermarkingConfig
 
 from hf_spec import speculative
-from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
+from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, broken_rules, fit_sequences, resample_from_p
 from hf_spec.loading.tiny import build_tiny_pair
+from hf_spec.rejection import accept_block
 from hf_spec.settings import METADATA, REFUSED, SETTINGS, WARNED, settings_table
+from hf_spec.sizing.draft_length import AutoDraftLength
 
 PROMPT = torch.tensor([[1, 2, 3, 4]])
 DOCS = Path(__file__).parent.parent / "docs" / "generation.md"
@@ -129,6 +132,30 @@ def test_the_confidence_threshold_stops_drafting_early(pair):
 def test_early_stops_and_schedules_keep_the_target_law(small_target, small_draft, extra):
     samples = sample_speculative(small_target, small_draft, {"top_k": 3}, [], 3, seed=41, **extra)
     assert fit_sequences(samples, exact_law(small_target, {"top_k": 3}, [])).is_consistent
+
+
+def test_auto_k_learning_from_the_reach_keeps_the_target_law(small_target, small_draft, monkeypatch):
+    """``"auto"`` learns each round's acceptance from the reach the rule reports (`hf_spec.rejection`), which
+    depends on the drafted tokens: k still depends only on finished rounds. Negative control: a rule that reports the
+    reach but resamples a rejection from p is caught on the same path."""
+    reaches = []
+    learn = AutoDraftLength.update
+    monkeypatch.setattr(AutoDraftLength, "update", lambda self, *args, **kwargs: (
+        reaches.append(kwargs.get("reach")), learn(self, *args, **kwargs))[1])
+    samples = sample_speculative(small_target, small_draft, {"top_k": 3}, [], "auto", seed=43)
+    assert fit_sequences(samples, exact_law(small_target, {"top_k": 3}, [])).is_consistent
+    assert reaches and all(reach is not None for reach in reaches)
+
+    def resample_reporting_reach(draft_ids, draft_probs, target_probs, generator=None, with_reach=False):
+        output_ids, num_accepted = resample_from_p(draft_ids, draft_probs, target_probs, generator)
+        reach = accept_block(draft_ids, draft_probs, target_probs, generator, with_reach=True)[2]
+        return (output_ids, num_accepted, reach) if with_reach else (output_ids, num_accepted)
+
+    broken = dataclasses.replace(broken_rules(resample_reporting_reach), reports_reach=True)
+    reaches.clear()
+    samples = sample_speculative(small_target, small_draft, {"top_k": 3}, [], "auto", seed=44, verification=broken)
+    assert not fit_sequences(samples, exact_law(small_target, {"top_k": 3}, [])).is_consistent
+    assert reaches and all(reach is not None for reach in reaches)
 
 
 def test_negative_control_an_early_stop_with_a_broken_rule_is_caught(small_target, small_draft, monkeypatch):

@@ -33,9 +33,10 @@ class Sizer(abc.ABC):
 
     @abc.abstractmethod
     def learn_chain(self, proposal: Proposal, num_accepted: list[int], draft_seconds: float,
-                    verify_seconds: float | None) -> None:
+                    verify_seconds: float | None, reach: list[list[float]] | None = None) -> None:
         """Learn from a chain round: each active row's accepted count, and the round's timings (``verify_seconds``
-        is ``None`` for the call's first round, which holds the prefill)."""
+        is ``None`` for the call's first round, which holds the prefill); ``reach``: each active row's chance to
+        keep at least j = 0 .. k of its draft tokens, where the acceptance rule reports it (`hf_spec.rejection`)."""
 
 
 class ChainSizer(Sizer):
@@ -47,13 +48,14 @@ class ChainSizer(Sizer):
 
     @abc.abstractmethod
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
+               verify_seconds: float | None, num_catch_up_tokens: int = 0,
+               reach: list[list[float]] | None = None) -> None:
         """Learn from a finished round of ``num_draft_tokens`` per row (`learn_chain`'s figures, spelled out)."""
 
     def learn_chain(self, proposal: Proposal, num_accepted: list[int], draft_seconds: float,
-                    verify_seconds: float | None) -> None:
+                    verify_seconds: float | None, reach: list[list[float]] | None = None) -> None:
         self.update(proposal.num_draft_tokens, num_accepted, draft_seconds, proposal.num_model_steps, verify_seconds,
-                    num_catch_up_tokens=proposal.num_catch_up_tokens)
+                    num_catch_up_tokens=proposal.num_catch_up_tokens, reach=reach)
 
 
 class TreeSizer(Sizer):
@@ -70,8 +72,9 @@ class TreeSizer(Sizer):
         """Learn from a finished tree round: the accepted ``path`` (node indices, root's child first)."""
 
     def learn_chain(self, proposal: Proposal, num_accepted: list[int], draft_seconds: float,
-                    verify_seconds: float | None) -> None:
-        """A one-row chain, learnt as the tree it is: node i's parent is node i - 1."""
+                    verify_seconds: float | None, reach: list[list[float]] | None = None) -> None:
+        """A one-row chain, learnt as the tree it is: node i's parent is node i - 1 (from the path kept: a tree's
+        acceptance is learnt per depth and sibling rank, from what each round tried)."""
         self.update_tree(chain_tree(proposal), list(range(num_accepted[0])), draft_seconds, verify_seconds)
 
 

@@ -9,7 +9,9 @@ draft's next first pass feeds two tokens (the last drafted one, the bonus one) a
 than a step:
 
 - acceptance per block position: counts with exponential forgetting (so it follows the text as it changes between
-  code and prose), shrunk towards the pooled rate of all positions, which is shrunk towards a prior;
+  code and prose), shrunk towards the pooled rate of all positions, which is shrunk towards a prior; on sampled
+  calls the counts are the rule's reach (the chance to keep each prefix of the draft, over the rule's uniforms:
+  the drawn count's mean, without the draw's noise);
 - costs: the draft's seconds per 1-token forward pass and the target's seconds per pass of each block size, measured
   (means with forgetting); a block size not measured yet is interpolated, or extrapolated with the slope measured so
   far (flat until two sizes are known). The first round, which includes the prompt's prefill, is not timed. The
@@ -92,7 +94,8 @@ class FixedDraftLength(ChainSizer):
         return min(self.num_draft_tokens, limit)
 
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
+               verify_seconds: float | None, num_catch_up_tokens: int = 0,
+               reach: list[list[float]] | None = None) -> None:
         """Nothing to learn."""
 
 
@@ -113,7 +116,8 @@ class HeuristicDraftLength(ChainSizer):
         return min(self.num_draft_tokens, limit)
 
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
+               verify_seconds: float | None, num_catch_up_tokens: int = 0,
+               reach: list[list[float]] | None = None) -> None:
         if num_draft_tokens == 0:
             return
         is_full = all(accepted == num_draft_tokens for accepted in num_accepted)
@@ -173,20 +177,28 @@ class AutoDraftLength(OnlineSizer, ChainSizer):
         return k
 
     def update(self, num_draft_tokens: int, num_accepted: list[int], draft_seconds: float, num_model_steps: int,
-               verify_seconds: float | None, num_catch_up_tokens: int = 0) -> None:
-        """Learn from a finished round: each active row's accepted count, and the round's timings.
+               verify_seconds: float | None, num_catch_up_tokens: int = 0,
+               reach: list[list[float]] | None = None) -> None:
+        """Learn from a finished round: each active row's accepted count (or its reach), and the round's timings.
 
         Args:
             num_draft_tokens: tokens proposed per row this round.
             num_accepted: per active row.
             verify_seconds: the target pass, or ``None`` when it must not be timed (the first round's prefill).
             num_catch_up_tokens: tokens the draft's first pass fed beyond one (`Proposal.num_catch_up_tokens`).
+            reach: per active row, the chance to keep at least j = 0 .. k draft tokens given its draft, where the
+                acceptance rule reports it: acceptance is learnt from it instead of the counts (the same mean, less
+                noise, and every drafted position observed).
         """
-        for accepted in num_accepted:
-            for position in range(min(num_draft_tokens, accepted + 1)):  # positions this row reached
-                self.first.add(position, position < accepted)
+        if reach is not None:
+            for row in reach:
+                self.first.add_reach(row)
+        else:
+            for accepted in num_accepted:
+                self.first.add_counts(num_draft_tokens, accepted)
         if num_draft_tokens > 0:  # a plain step reaches no position: nothing to forget
-            self.first.forget_unreached(min(num_draft_tokens, max(num_accepted, default=-1) + 1))
+            reached = num_draft_tokens if reach is not None else max(num_accepted, default=-1) + 1
+            self.first.forget_unreached(min(num_draft_tokens, reached))
         emitted = 1.0 + sum(num_accepted) / max(1, len(num_accepted))  # per row
         self._learn_round(num_draft_tokens + 1, self.costs.draft_step, draft_seconds, num_model_steps,
                           verify_seconds, emitted, self.costs.catch_up_ratio * min(num_catch_up_tokens, 1))

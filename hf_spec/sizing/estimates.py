@@ -96,6 +96,23 @@ class PositionalAcceptance:
     def add(self, position: int, is_accepted: bool) -> None:
         self.cells[position].add(float(is_accepted))
 
+    def add_counts(self, num_drafted: int, num_accepted: int) -> None:
+        """A row that kept ``num_accepted`` of ``num_drafted`` tokens: each position it reached, accepted or not."""
+        for position in range(min(num_drafted, num_accepted + 1)):
+            self.add(position, position < num_accepted)
+
+    def add_reach(self, reach: list[float]) -> None:
+        """A row's reach ``[1, r_1 .. r_k]``: the chance to keep at least j of its k drafted tokens, over the
+        acceptance rule's randomness (`hf_spec.rejection`). Position j counts as reached with weight r_j and
+        accepted with r_{j+1}: the expectation of what `add_counts` adds over the rule's uniforms, so the estimate
+        keeps its mean and loses the noise of the draw. Where a row's reach fell to 0, later positions are not
+        observed (they forget, as unreached ones do)."""
+        for position, (reached, kept) in enumerate(zip(reach, reach[1:])):
+            if reached <= 0.0:
+                self.cells[position].forget()
+            else:
+                self.cells[position].add(min(1.0, kept / reached), weight=reached)
+
     def forget_unreached(self, num_reached: int) -> None:
         """End of a round that reached positions ``0 .. num_reached - 1``: the positions beyond forget once too, so an
         old rejection there fades (and the estimate falls back to the pooled rate) while rounds stop short of them.
