@@ -65,7 +65,8 @@ def main() -> None:
                     sums["teacher-forced"][j] += predicted
                     predicted *= along[start + j] if j < args.k else 1.0
             start += accepted + 1
-    print(f"{args.workload}, k = {args.k}: {num_rounds} rounds of {args.prompts} texts; P(keep >= j), j = 0 .. {args.k}")
+    print(f"{args.workload}, k = {args.k}: {num_rounds} rounds of {args.prompts} texts; "
+          f"P(keep >= j), j = 0 .. {args.k}")
     for name, values in sums.items():
         print(f"  {name:15} " + " ".join(f"{value / max(1, num_rounds):.3f}" for value in values))
 
