@@ -153,10 +153,10 @@ class ChainRound(Round):
         if not context.do_sample:
             output_ids, num_accepted = accept_greedy(self.proposal.draft_ids, verified.scores)
             return Accepted(output_ids, num_accepted, verified.logits, verified.scores)  # the counts are the reach
-        with_reach = {"with_reach": True} if self.verification.reports_reach else {}
+        asks_reach = {"with_reach": True} if self.verification.reports_reach else {}
         output_ids, num_accepted, *reach = self.verification.chain(
             self.proposal.draft_ids, self.proposal.draft_probs, verified.scores.softmax(dim=-1), context.generator,
-            **with_reach)
+            **asks_reach)
         return Accepted(output_ids, num_accepted, verified.logits, verified.scores, reach=reach[0] if reach else None)
 
     def learn(self, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
