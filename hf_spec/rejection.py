@@ -92,7 +92,6 @@ def accept_draft_tokens(
     )  # [batch, k]
     is_accepted = (q_of_draft > 0) & (uniforms * q_of_draft < p_of_draft)  # [batch, k]
     num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
-    ratios = torch.where(q_of_draft > 0, p_of_draft / q_of_draft.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
 
     # 2. At position j = num_accepted sample from max(0, p_j - q_j), with q_{k+1} = 0 giving the bonus token.
     #    A residual that sums to 0 means p_j == q_j, where rejection has probability 0; p_j keeps it well defined.
@@ -104,7 +103,9 @@ def accept_draft_tokens(
     next_ids = sample_from_weights(residual, generator)  # [batch]
 
     output = _assemble_output(draft_ids, num_accepted, next_ids), num_accepted
-    return (*output, prefix_products(ratios.clamp_max(1.0))) if with_reach else output
+    if not with_reach:
+        return output
+    return (*output, F.pad(likelihood_ratios(p_of_draft, q_of_draft).clamp_max(1.0), (1, 0), value=1.0).cumprod(-1))
 
 
 def accept_block(
@@ -158,9 +159,10 @@ def accept_block(
     return (*output, F.pad(1 - never_after, (1, 0), value=1.0))
 
 
-def prefix_products(ratios: torch.Tensor) -> torch.Tensor:
-    """``[batch, k]`` -> ``[batch, k + 1]``: 1, then the products of the first 1 .. k ratios."""
-    return F.pad(ratios, (1, 0), value=1.0).cumprod(dim=-1)
+def likelihood_ratios(p_of_draft: torch.Tensor, q_of_draft: torch.Tensor) -> torch.Tensor:
+    """p(x) / q(x) of the drafted tokens, float64; q = 0 for a drafted token breaks the draft's contract: its ratio
+    counts as 0, a rejection, never a NaN."""
+    return torch.where(q_of_draft > 0, p_of_draft / q_of_draft.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
 
 
 def block_laws(draft_ids: torch.Tensor, draft_probs: torch.Tensor,
@@ -173,7 +175,7 @@ def block_laws(draft_ids: torch.Tensor, draft_probs: torch.Tensor,
     #    draft's contract: its ratio counts as 0, a rejection, never a NaN.
     p_of_draft = target_probs[:, :k].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()  # [batch, k]
     q_of_draft = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()  # [batch, k]
-    ratios = torch.where(q_of_draft > 0, p_of_draft / q_of_draft.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    ratios = likelihood_ratios(p_of_draft, q_of_draft)  # [batch, k]
     kept = [torch.ones(batch_size, dtype=torch.float64, device=draft_ids.device)]  # p_0
     for i in range(k):
         kept.append(torch.clamp(kept[-1] * ratios[:, i], max=1.0))
