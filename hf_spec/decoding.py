@@ -110,7 +110,7 @@ def speculative_decode(
                                                            [n + 1 for n in num_accepted])
                 log.mark("stopping")
                 log.count(batch.active_list, round_.num_drafted, round_.depth, accepted.output_ids, accepted.scores,
-                          accepted.logits, num_accepted, num_kept)
+                          accepted.logits, num_accepted, num_kept, accepted.reach)
                 round_.learn(accepted, num_accepted, log.draft_seconds, log.verify_seconds)
 
                 # 5. Commit, and roll back: both caches keep what was accepted (a tree: its path, gathered), then the

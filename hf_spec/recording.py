@@ -100,13 +100,16 @@ class RoundLog:
         self.marks[section] = self.last = now
 
     def count(self, active_rows: list[int], num_drafted: int, depth: int | None, output_ids: torch.Tensor,
-              scores: torch.Tensor, logits: torch.Tensor, num_accepted: list[int], num_kept: list[int]) -> None:
+              scores: torch.Tensor, logits: torch.Tensor, num_accepted: list[int], num_kept: list[int],
+              reach: torch.Tensor | None = None) -> None:
         """What the round drafted (per row, ``depth`` for a tree), accepted and emitted: ``output_ids``
         ``[active, m + 1]`` with their processed ``scores`` and raw ``logits`` ``[active, m + 1, vocab]``; row a
-        emitted its first ``num_kept[a]``."""
+        emitted its first ``num_kept[a]``; ``reach`` ``[active, m + 1]``: the rule's chance to keep at least j
+        drafts, where it reports one (its sum past j = 0 is the count it expected)."""
+        expected = None if reach is None else reach[:, 1:].sum(dim=-1).tolist()
         self.counts = {"active_rows": list(active_rows), "num_drafted": num_drafted, "depth": depth,
                        "output_ids": output_ids, "scores": scores, "logits": logits, "num_accepted": num_accepted,
-                       "num_kept": num_kept}  # the rows as they were: the commit replaces the batch's list
+                       "num_kept": num_kept, "expected_accepted": expected}  # the rows as they were (see commit)
 
     @property
     def draft_seconds(self) -> float:
@@ -145,7 +148,7 @@ class CallRecord:
         self.outputs.record(counts["active_rows"], counts["output_ids"], counts["scores"], counts["logits"],
                             counts["num_kept"])
         self.stats.record_round(counts["num_drafted"], counts["num_accepted"], counts["num_kept"],
-                                counts["active_rows"], self.batch_size, counts["depth"])
+                                counts["active_rows"], self.batch_size, counts["depth"], counts["expected_accepted"])
         self.stats.record_seconds(log.draft_seconds, log.seconds_since_drafted)
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, SpeculativeStats]:

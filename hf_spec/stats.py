@@ -19,6 +19,11 @@ class SpeculativeStats:
         num_draft_tokens: tokens proposed by the draft, over all rounds.
         num_accepted: proposed tokens the target accepted.
         num_emitted: tokens appended to the output (accepted, recovered and bonus tokens, after stopping).
+        expected_accepted: what the acceptance rule was expected to accept, given each round's draft, over the rule's
+            own randomness: the sum of its reach (`hf_spec.rejection`, sampled chains); the count itself where the
+            rule reports no reach (greedy calls, trees). ``num_accepted - expected_accepted`` is the call's luck in
+            the rule's draws, which has mean 0 (in a batch of rows whose caches cannot hold holes, rows keep fewer
+            than the rule accepted, and this is the expectation of what the rule accepted).
         accepted_by_position: ``accepted_by_position[i]`` counts rounds whose draft token at block position ``i``
             was accepted (for trees: at depth ``i + 1``).
         proposed_by_position: ``proposed_by_position[i]`` counts rounds that proposed a token at position ``i``
@@ -43,6 +48,7 @@ class SpeculativeStats:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     num_emitted: int = 0
+    expected_accepted: float = 0.0
     accepted_by_position: list[int] = dataclasses.field(default_factory=list)
     proposed_by_position: list[int] = dataclasses.field(default_factory=list)
     rounds_by_accepted: list[int] = dataclasses.field(default_factory=list)
@@ -96,8 +102,8 @@ class SpeculativeStats:
         """The counters and timings of several calls added up (per-row statistics are not kept)."""
         total = cls()
         for stats in calls:
-            for name in ("num_rounds", "num_draft_tokens", "num_accepted", "num_emitted", "draft_seconds",
-                         "verify_seconds"):
+            for name in ("num_rounds", "num_draft_tokens", "num_accepted", "num_emitted", "expected_accepted",
+                         "draft_seconds", "verify_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
             for name in ("accepted_by_position", "proposed_by_position", "rounds_by_accepted"):
                 mine, theirs = getattr(total, name), getattr(stats, name)
@@ -119,24 +125,27 @@ class SpeculativeStats:
 
     def record_round(
         self, num_draft_tokens: int, num_accepted: list[int], num_emitted: list[int], rows: list[int], batch_size: int,
-        depth: int | None = None,
+        depth: int | None = None, expected_accepted: list[float] | None = None,
     ) -> None:
         """Count one target pass in which each of ``rows`` (batch indices) proposed ``num_draft_tokens``, and
         accepted and emitted its entry of ``num_accepted`` and ``num_emitted``; ``depth``: the tree's depth, for a
-        round that proposed a tree of ``num_draft_tokens`` nodes."""
+        round that proposed a tree of ``num_draft_tokens`` nodes; ``expected_accepted``: per row, the rule's expected
+        count given the draft (``None``: the counts)."""
         self.rows.extend(SpeculativeStats() for _ in range(batch_size - len(self.rows)))
         self._count_round(num_draft_tokens)
         positions = num_draft_tokens if depth is None else depth
-        for row, accepted, emitted in zip(rows, num_accepted, num_emitted):
+        expected_accepted = num_accepted if expected_accepted is None else expected_accepted
+        for row, accepted, emitted, expected in zip(rows, num_accepted, num_emitted, expected_accepted):
             self.rows[row]._count_round(num_draft_tokens)
-            self.rows[row]._count_tokens(num_draft_tokens, positions, accepted, emitted)
-            self._count_tokens(num_draft_tokens, positions, accepted, emitted)
+            self.rows[row]._count_tokens(num_draft_tokens, positions, accepted, emitted, expected)
+            self._count_tokens(num_draft_tokens, positions, accepted, emitted, expected)
 
     def _count_round(self, num_draft_tokens: int) -> None:
         self.num_rounds += 1
         self.draft_lengths.append(num_draft_tokens)
 
-    def _count_tokens(self, num_draft_tokens: int, num_positions: int, num_accepted: int, num_emitted: int) -> None:
+    def _count_tokens(self, num_draft_tokens: int, num_positions: int, num_accepted: int, num_emitted: int,
+                      expected_accepted: float) -> None:
         _grow(self.accepted_by_position, num_positions)
         _grow(self.proposed_by_position, num_positions)
         for position in range(num_positions):
@@ -147,6 +156,7 @@ class SpeculativeStats:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted += num_accepted
         self.num_emitted += num_emitted
+        self.expected_accepted += float(expected_accepted)
 
     def to_dict(self) -> dict:
         """Every counter and derived rate, JSON-ready."""

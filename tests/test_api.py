@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import letters_tokenizer, make_tiny_model
@@ -9,6 +11,8 @@ from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from hf_spec import SpeculativeGenerationMixin, speculative
+from hf_spec.evaluation.exactness import broken_rules
+from hf_spec.rejection import accept_block
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
 
@@ -76,6 +80,47 @@ def test_stats_add_up(target, close_draft):
     assert stats.num_emitted <= stats.num_accepted + stats.num_rounds
     assert stats.draft_seconds > 0 and stats.verify_seconds > 0
     assert set(stats.to_dict()) >= {"num_rounds", "acceptance_rate", "tokens_per_round", "accepted_by_position"}
+
+
+def test_expected_accepted_is_the_count_when_greedy_and_the_reach_when_sampled(target, close_draft):
+    kwargs = {"assistant_model": close_draft, "max_new_tokens": 40, "num_assistant_tokens": 4,
+              "return_dict_in_generate": True}
+    greedy = target.generate(PROMPT, do_sample=False, **kwargs).speculative_stats
+    assert greedy.expected_accepted == greedy.num_accepted
+    sampled = target.generate(PROMPT.repeat(2, 1), do_sample=True, pad_token_id=0, **kwargs).speculative_stats
+    assert 0.0 < sampled.expected_accepted < sampled.num_draft_tokens
+    assert sampled.expected_accepted == pytest.approx(sum(row.expected_accepted for row in sampled.rows))
+    assert "expected_accepted" in sampled.to_dict()
+
+
+def _luck(target, draft, calls: int, **kwargs) -> tuple[float, float]:
+    """Mean and standard error, over ``calls`` sampled calls, of accepted minus expected per call."""
+    luck = []
+    for seed in range(calls):
+        torch.manual_seed(seed)
+        stats = target.generate(PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=40,
+                                num_assistant_tokens=4, return_dict_in_generate=True, **kwargs).speculative_stats
+        luck.append(stats.num_accepted - stats.expected_accepted)
+    values = torch.tensor(luck, dtype=torch.float64)
+    return values.mean().item(), values.std().item() / calls ** 0.5
+
+
+@pytest.mark.parametrize("verification", ["block", "token"])
+def test_the_luck_in_the_rules_draws_has_mean_zero(target, close_draft, verification):
+    """``num_accepted - expected_accepted`` (what `hf-spec bench` reports to take the draws' luck out of a sampled
+    speed) averages 0 over calls. Negative control: a rule that keeps every draft while reporting the reach."""
+    mean, error = _luck(target, close_draft, 120, verification=verification)
+    assert abs(mean) < 4 * error + 1e-9
+
+    def keep_all_reporting_reach(draft_ids, draft_probs, target_probs, generator=None, with_reach=False):
+        reach = accept_block(draft_ids, draft_probs, target_probs, generator, with_reach=True)[2]
+        output_ids = torch.cat([draft_ids, target_probs[:, -1].argmax(dim=-1, keepdim=True)], dim=1)  # all, a bonus
+        num_accepted = torch.full((draft_ids.shape[0],), draft_ids.shape[1], dtype=torch.long)
+        return (output_ids, num_accepted, reach) if with_reach else (output_ids, num_accepted)
+
+    broken = dataclasses.replace(broken_rules(keep_all_reporting_reach), reports_reach=True)
+    mean, error = _luck(target, close_draft, 30, verification=broken)
+    assert mean > 4 * error
 
 
 @pytest.mark.parametrize("draft_vocab", [12, 16, 20])

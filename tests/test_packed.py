@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from hf_spec import AutoDraftLength, speculative, without_speculation
 from hf_spec.bench.measure import weight_bytes
 from hf_spec.drafting.model import ModelDrafter
+from hf_spec.drafting.model_tree import ModelTreeDrafter
 from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, fit_sequences
 from hf_spec.loading import packed
 from hf_spec.loading.packed import PackedLinear, cpu_path, deoptimize, optimize
@@ -323,6 +324,22 @@ def test_probed_costs_are_kept_for_the_next_process(monkeypatch, tmp_path):
     costs._PROBED.clear()
     probe_costs(target, ModelDrafter(draft), (2, 3))
     assert len(asked) == 3
+
+
+def test_a_tree_probes_only_what_the_chains_table_lacks_and_once_per_machine(monkeypatch, tmp_path):
+    """A tree drafter of the same draft times its passes as the chain drafter does: its first probe measures only the
+    larger passes a tree may use, and a later process reads its table from disk (it was kept under the chain's key in
+    the process, so every fresh process measured the tree's passes again: 6 s of a 64-token first call)."""
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    asked, measure = [], costs.measure_costs
+    monkeypatch.setattr(costs, "measure_costs", lambda *args: asked.append(args[3]) or measure(*args))
+    for process in range(2):
+        costs._PROBED.clear()  # a new process: load_pair seeds the chain's table, then an auto tree probes
+        chain = probe_costs(target, ModelDrafter(draft), (2, 3))
+        tree = probe_costs(target, ModelTreeDrafter(draft), (2, 3, 8))
+        assert {size: tree.target_block_seconds[size] for size in (1, 2, 3)} == chain.target_block_seconds
+    assert asked == [[1, 2, 3], [8]], "the chain's sizes once, the tree's larger pass once, no process again"
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])

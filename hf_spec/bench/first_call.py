@@ -58,8 +58,11 @@ def worker(job: dict) -> dict:
     sequence, stats = generate_once(spec, pair.target, pair.draft, prompt, settings, draft_kwargs=draft_kwargs)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "new_tokens": int(sequence.shape[0] - prompt["input_ids"].shape[1]),
+            "new_ids": sequence[prompt["input_ids"].shape[1]:].tolist(),
             "acceptance_rate": None if stats is None else stats.acceptance_rate,
             "draft_lengths": None if stats is None else stats.draft_lengths,
+            "accepted": None if stats is None else stats.num_accepted,
+            "expected_accepted": None if stats is None else stats.expected_accepted,
             "cpu_paths": [None if path is None else path.name for path in (pair.target_path, pair.draft_path)]}
 
 

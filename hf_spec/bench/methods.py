@@ -195,5 +195,6 @@ def run_one(method: str, spec: MethodSpec, target, draft, inputs, generate_kwarg
               profile=None if stats is None else stats.profile,
               profile_passes=None if stats is None else stats.profile_passes,
               draft_lengths=None if stats is None else stats.draft_lengths,
+              expected_accepted=None if stats is None else stats.expected_accepted,
               text=None if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=True), **where)
     return run, sequence[prompt_length:]

@@ -51,6 +51,7 @@ class Run:
     profile: dict[str, float] | None = None  # hf_spec's loop, seconds per section (`hf_spec.profiling`)
     profile_passes: dict[str, int] | None = None  # and forward passes per section
     draft_lengths: list[int] | None = None  # hf_spec: the k of each round, in order (0: a plain target step)
+    expected_accepted: float | None = None  # hf_spec: what the acceptance rule expected to accept of its drafts
     error: str | None = None  # transformers' own method raised (the call is reported, left out of every figure)
 
 

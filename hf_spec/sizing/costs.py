@@ -139,13 +139,13 @@ def probe_costs(target: PreTrainedModel, drafter, block_sizes: tuple[int, ...], 
     sizes = tuple(sorted({1, *(size for size in block_sizes if size <= max(1, positions // 2))}))
     draft_widths = tuple(width for width in draft_widths if width <= max(sizes)) or (1,)
     threads = torch.get_num_threads()
-    key = (_describe(target), _describe(draft_model), threads)
+    key = _process_key(target, draft_model, drafter, threads)
     by_draft = _PROBED.setdefault(target, {})
     for stale in [entry for entry in by_draft if entry.ref is not None and entry.ref() is None]:
         del by_draft[stale]  # a freed draft's costs
     probed = by_draft.setdefault(_WeakKey(draft_model), {})
     stored = store_key(target, draft_model, drafter, threads)
-    table = probed.get(key) or load_table(stored, CostTable)
+    table = probed.get(key) or load_table(stored, CostTable) or _same_models(probed, key)
     missing = [size for size in sizes if table is None or size not in table.target_block_seconds]
     has_passes = table is not None and len(table.draft_pass_seconds) > 0
     missing_widths = [width for width in draft_widths if has_passes and width not in table.draft_pass_seconds]
@@ -175,7 +175,7 @@ def seed_costs(target: PreTrainedModel, drafter, target_seconds: dict[int, float
         return None
     draft_model = None if drafter is None else drafter.cost_key
     threads = torch.get_num_threads()
-    key = (_describe(target), _describe(draft_model), threads)
+    key = _process_key(target, draft_model, drafter, threads)
     probed = _PROBED.setdefault(target, {}).setdefault(_WeakKey(draft_model), {})
     stored = store_key(target, draft_model, drafter, threads)
     table = probed.get(key) or load_table(stored, CostTable)
@@ -254,6 +254,23 @@ def _positions(*models) -> int:
         limits.append(getattr(text, "max_position_embeddings", None) or 1 << 20)
         limits.append(position_table(model) or 1 << 20)
     return min(limits)
+
+
+def _process_key(target, draft_model, drafter, threads: int) -> tuple:
+    """What a table is kept under in the process: the models' dtypes and devices, the threads and the drafter's kind,
+    as on disk (`hf_spec.sizing.cost_store.store_key`; a tree drafter's table holds passes a chain's lacks, and kept
+    under the chain's key it was measured again in every process, never read back from disk), then how the drafter
+    times its passes (`Drafter.measure_passes`: a tree drafter times them as its chain drafter does)."""
+    kind = "" if drafter is None else type(drafter).__name__
+    timing = "" if drafter is None else type(drafter).measure_passes.__qualname__
+    return _describe(target), _describe(draft_model), threads, kind, timing
+
+
+def _same_models(probed: dict, key: tuple) -> CostTable | None:
+    """A table of the same models and threads, made for another drafter kind that times its passes the same way (a
+    chain's, seeded from the kernel timings, for a tree of the same draft): its passes hold for this kind too, so
+    only what it lacks is measured."""
+    return next((table for other, table in probed.items() if other[:3] == key[:3] and other[4] == key[4]), None)
 
 
 def _describe(model) -> tuple:
