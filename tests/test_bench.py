@@ -592,3 +592,34 @@ def test_openvino_peer_runs_interleaved_through_its_own_python(tmp_path, monkeyp
         OpenVINOPeer(sys.executable, {"x": (str(tmp_path), None)})
     with pytest.raises(ValueError, match="--openvino-python"):
         OpenVINOPeer(str(tmp_path / "nothing"), {})
+
+
+def test_sampled_speeds_take_the_draws_luck_out():
+    """`scripts/sampled_speeds.py`: two methods of the same true speed, one lucky in its draws and one not, come out
+    apart as measured and together once the luck (whose mean is 0 for both) is taken out. Control: without the
+    expected counts there is no luck to take out, and they stay apart."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "sampled_speeds.py"
+    spec = importlib.util.spec_from_file_location("sampled_speeds", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    generator = torch.Generator().manual_seed(0)
+
+    def calls(method, bias, has_expected=True):
+        runs = []
+        for prompt in range(40):
+            luck = float(torch.randn((), generator=generator)) * 4 + bias  # accepted - expected, tokens
+            seconds = 8.0 * (1 - 0.02 * luck) * (1 + 0.002 * float(torch.randn((), generator=generator)))
+            runs.append({"method": method, "prompt": prompt, "seconds": seconds, "new_tokens": 64, "accepted": 150,
+                         "expected_accepted": 150 - luck if has_expected else None})
+        return runs
+
+    for has_expected, apart in [(True, False), (False, True)]:
+        groups = {"lucky": calls("lucky", 3.0, has_expected), "unlucky": calls("unlucky", -3.0, has_expected)}
+        figures = script.adjusted_speeds(groups, {"lucky": None, "unlucky": None})["methods"]
+        raw = figures["lucky"]["tokens_per_second"] / figures["unlucky"]["tokens_per_second"]
+        adjusted = figures["lucky"]["adjusted_tokens_per_second"] / figures["unlucky"]["adjusted_tokens_per_second"]
+        assert raw > 1.08
+        assert (abs(adjusted - 1) > 0.08) == apart, (has_expected, raw, adjusted)
