@@ -4,7 +4,7 @@ Each helper names the private attribute, method or function it reaches; ``tests/
 against the pinned transformers version. Outside this module hf_spec reaches no private transformers name, with one
 exception by construction: `hf_spec.mixin` overrides the two private `GenerationMixin` methods named in
 `OVERRIDDEN_METHODS`, and `check_generation_hooks` fails at import time if transformers stops routing to them.
-`logits_processors` (importable on its own) keeps its three uses of processor internals in
+`logits_processors` (importable on its own) keeps its uses of processor internals in
 `logits_processors.compat`; they are re-exported here.
 """
 
@@ -22,7 +22,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 
-from logits_processors.compat import num_beams, prefix_allowed_tokens, prepare_sequence_bias
+from logits_processors.compat import encoder_ngram_bans, num_beams, prefix_allowed_tokens, prepare_sequence_bias
 
 __all__ = [
     "OVERRIDDEN_METHODS",
@@ -31,6 +31,7 @@ __all__ = [
     "check_generation_hooks",
     "decoding_chain",
     "drop_gguf_quantizer",
+    "encoder_ngram_bans",
     "forgetting_output_capture",
     "ignores_recurrent_recording",
     "is_rewired_by_universal_assisted_generation",

@@ -276,7 +276,10 @@ def has_invalid_values(scores: torch.Tensor) -> torch.Tensor:
 
 def position_table(model: torch.nn.Module) -> int | None:
     """Positions a model's learned position embeddings hold (GPT-2's ``wpe``, OPT's ``embed_positions``...), or
-    ``None`` when it has none (rotary or ALiBi positions)."""
+    ``None`` when it has none (rotary or ALiBi positions). An encoder-decoder's: its decoder's (the encoder's table
+    holds the source's positions, which a decoding call never adds to)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        model = model.get_decoder()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
             return module.num_embeddings - getattr(module, "offset", 0)

@@ -54,6 +54,7 @@ from hf_spec.forward import prefill
 from hf_spec.outputs import generate_output
 from hf_spec.plan import CallOptions, greedy_at_zero_temperature, plan_call, user_settings
 from hf_spec.rounds import Rounds
+from hf_spec.sizing.load import LoadMeter
 from hf_spec.validation import Call, check_call
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,9 @@ class SpeculativeGenerationMixin(GenerationMixin):
                  num_tree_nodes: Any = None, verification: Any = None, **kwargs):
         ours = {"generator": generator, "num_tree_nodes": num_tree_nodes, "verification": verification}
         if isinstance(kwargs.get("custom_generate"), str):  # transformers hands every argument to the recipe, which
-            return super().generate(*_positional(inputs, generation_config, args),  # calls this method again
-                                    **kwargs, **{name: value for name, value in ours.items() if value is not None})
+            given = {**kwargs, **{name: value for name, value in ours.items() if value is not None}}  # calls this again
+            positional, given = _forwarded(inputs, generation_config, args, given)
+            return super().generate(*positional, **given)
         kwargs.update({name: value for name, value in ours.items() if name != "generator" and value is not None})
         settings = user_settings(kwargs, generation_config, self, kwargs.get("assistant_model"))
         kwargs.pop("num_tree_nodes", None), kwargs.pop("verification", None)  # transformers would keep them
@@ -111,13 +113,24 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 # without naming the argument)
                 call = self._call_facts(inputs, merged, settings, generator, kwargs)
                 check_call(call, "arguments")
-        options = CallOptions(generator=generator, settings=settings, media=media_inputs(self, kwargs))
+        options = CallOptions(generator=generator, settings=settings, media=media_inputs(self, kwargs),
+                              begin_suppress_tokens=None if call is None else merged.begin_suppress_tokens)
         token = _CALL.set(_Call(options, facts=call))
         try:
-            with forgetting_output_capture(self):
-                return super().generate(*_positional(inputs, generation_config, args), **kwargs)
+            positional, kwargs = _forwarded(inputs, generation_config, args, kwargs)
+            with forgetting_output_capture(self), keeping_draft_config(kwargs.get("assistant_model")):
+                return super().generate(*positional, **kwargs)
         finally:
             _CALL.reset(token)
+
+    def _retrieve_logit_processors(self, generation_config, *args, **kwargs):
+        """Whisper's processor chain (`hf_spec.compat.WHISPER_HOOKS`): its generate() sets ``begin_suppress_tokens`` to
+        None whenever an assistant is in the call (transformers' assisted loop would otherwise keep the assistant from
+        ending at the first position); hf_spec's loop applies the chain exactly, so the call's value is put back."""
+        restored = _current_call().options.begin_suppress_tokens
+        if restored is not None and generation_config.begin_suppress_tokens is None:
+            generation_config.begin_suppress_tokens = restored
+        return super()._retrieve_logit_processors(generation_config, *args, **kwargs)
 
     def _call_facts(self, inputs, merged, settings: dict, generator, kwargs: dict) -> Call:
         """What the call was given, for `hf_spec.validation.check_call`."""
@@ -126,7 +139,8 @@ class SpeculativeGenerationMixin(GenerationMixin):
         if not prefix and inputs is not None:
             input_ids = inputs
         return Call(self, merged, settings, generator, kwargs.get("assistant_model"), kwargs.get("tokenizer"),
-                    kwargs.get("assistant_tokenizer"), input_ids, kwargs.get(f"{prefix}attention_mask"), prefix)
+                    kwargs.get("assistant_tokenizer"), input_ids, kwargs.get(f"{prefix}attention_mask"), prefix,
+                    own_arguments=kwargs)
 
     def _is_speculating(self, assistant_model, generation_config) -> bool:
         """Whether this call runs hf_spec's loop: a draft or our prompt lookup, and not `without_speculation`."""
@@ -176,19 +190,23 @@ class SpeculativeGenerationMixin(GenerationMixin):
                 assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
             )
         rounds = call.rounds
+        input_ids = input_ids.long()  # int32 prompts are taken, as target-only decoding takes them (int64 out)
         conditioning = split_model_kwargs(self, model_kwargs, inputs_tensor, call.options.media)
         target_cache, pad_token_id = self._check_assisted_call(input_ids, generation_config, synced_gpus, streamer,
                                                                rounds, logits_processor, model_kwargs, conditioning)
         attach_inputs(target_cache, conditioning.every_pass)
         prefill(self, target_cache, input_ids, conditioning.decoder_mask, conditioning.prompt_only)
         rounds.start_sizer(self, generation_config.max_length - input_ids.shape[1])
-        with compiling([self, rounds.drafter.cost_key], compile_config_of(generation_config, target_cache)):
+        with compiling([self, rounds.drafter.cost_key], compile_config_of(generation_config, target_cache)), \
+                LoadMeter() as load:
             result = speculative_decode(
                 self, rounds, input_ids, conditioning.decoder_mask, target_cache,
                 logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, pad_token_id=pad_token_id, generator=call.options.generator,
                 streamer=streamer, conditioning=conditioning,
             )
+        rounds.finish_sizer(self, is_quiet=input_ids.shape[0] == 1 and load.others_share is not None
+                            and not load.is_loaded)
         return generate_output(result, generation_config, target_cache, input_ids.shape[0],
                                 self.config.is_encoder_decoder)
 
@@ -219,12 +237,28 @@ def _unpickle_speculative(model_class: type) -> PreTrainedModel:
     return _speculative_class(model_class).__new__(_speculative_class(model_class))
 
 
-def _positional(inputs, generation_config, args: tuple) -> tuple:
-    """generate()'s positional arguments as given, ``inputs`` left out when unset: a model's own generate() may call
-    its first argument otherwise (Whisper's ``input_features``, passed by name)."""
-    if inputs is None and generation_config is None and not args:
-        return ()
-    return (inputs, generation_config, *args)
+def _forwarded(inputs, generation_config, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """generate()'s arguments as given, ``inputs`` left out when unset and ``generation_config`` then passed by name: a
+    model's own generate() may call its first argument otherwise (Whisper's ``input_features``, passed by name)."""
+    if inputs is None and not args:
+        return (), kwargs if generation_config is None else {**kwargs, "generation_config": generation_config}
+    return (inputs, generation_config, *args), kwargs
+
+
+@contextlib.contextmanager
+def keeping_draft_config(draft: Any) -> Iterator[None]:
+    """The draft model's generation config as it was, after the call: Whisper's generate() sets the assistant's
+    ``force_unique_generate_call`` (for transformers' assisted loop, which calls the assistant's generate())."""
+    config = getattr(draft, "generation_config", None)
+    if config is None:
+        yield
+        return
+    before = dict(config.__dict__)
+    try:
+        yield
+    finally:
+        config.__dict__.clear()
+        config.__dict__.update(before)
 
 
 def compile_config_of(generation_config, target_cache):

@@ -63,6 +63,9 @@ class CallOptions:
     # a vision-language target's raw image inputs (transformers encodes and drops them before the loop): a
     # vision-language draft encodes them with its own vision tower
     media: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the ``begin_suppress_tokens`` the call resolved, where hf_spec's loop runs: Whisper's generate() drops them
+    # whenever an assistant is in the call (`SpeculativeGenerationMixin._retrieve_logit_processors` restores them)
+    begin_suppress_tokens: list[int] | None = None
 
 
 def user_settings(kwargs: dict, generation_config: GenerationConfig | None, target: PreTrainedModel,

@@ -36,7 +36,7 @@ from hf_spec.forward import extend_mask, forward_missing, forward_tree, has_inva
 from hf_spec.rejection import accept_greedy, accept_tree_greedy
 from hf_spec.rows import RaggedBatch, Rollback
 from hf_spec.sizing.base import ChainSizer, Sizer, TreeSizer
-from hf_spec.sizing.costs import probe_costs, probe_sizes
+from hf_spec.sizing.costs import correct_costs, probe_costs, probe_sizes
 from hf_spec.verification import BLOCK, Verification
 from logits_processors import process_block, process_step
 
@@ -270,6 +270,17 @@ class Rounds(abc.ABC):
         sizes = probe_sizes(min(self.max_drafted + 1, max_new_tokens + 1))
         costs = probe_costs(target, self.drafter, sizes, draft_widths=self.probe_widths())
         self.sizer.start_from(costs, catch_up=self.drafter.reports_catch_up)
+
+    def finish_sizer(self, target: PreTrainedModel, is_quiet: bool) -> None:
+        """After a call of one row on a machine nothing else loaded (``is_quiet``): where its own timings put the
+        draft's step against the target's pass off the probe's costs, the stored costs follow (`correct_costs`: a
+        store made while the machine was busy does not outlive its truth). Only the ratio is corrected: the call's
+        context length moves both models' timings alike."""
+        observed = self.sizer.observed_ratios()
+        if observed is None or not is_quiet:
+            return
+        target_ratio, draft_ratio = observed
+        correct_costs(target, self.drafter, (1.0, draft_ratio / target_ratio))
 
     def probe_widths(self) -> tuple[int, ...]:
         """The draft passes the probe times: the step, and the 2-token catch-up where the drafter reports it."""

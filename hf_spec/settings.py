@@ -137,6 +137,34 @@ SETTINGS: dict[str, Treatment] = {
     "_from_model_config": Treatment(METADATA, "bookkeeping"),
 }
 
+_WHISPER = "Whisper's generate() sets up its calls before the loop runs"
+#: The arguments of Whisper's own ``generate()`` (``WhisperGenerationMixin.generate``) beyond transformers' generic
+#: ones: Whisper runs one inner ``generate()`` per 30-second window and per fallback temperature, each through the
+#: loop. ``tests/test_settings.py`` walks its signature through this table and compares the honoured ones with
+#: target-only decoding.
+WHISPER_SETTINGS: dict[str, Treatment] = {
+    "return_timestamps": Treatment(HONOURED, "the timestamp processor is part of the chain, applied to draft and "
+                                   "target at every position"),
+    **{name: Treatment(HONOURED, f"the decoder prompt's task and language tokens; {_WHISPER}")
+       for name in ("task", "language", "is_multilingual")},
+    **{name: Treatment(HONOURED, f"a text prompt before the decoder prompt; {_WHISPER}")
+       for name in ("prompt_ids", "prompt_condition_type", "condition_on_prev_tokens")},
+    "temperature": Treatment(HONOURED, "a sequence of temperatures falls back through them, one inner call each: the "
+                             "greedy try's tokens and scores, and so the fallback decisions, are target-only's"),
+    **{name: Treatment(HONOURED, "decides a fallback from the inner call's tokens and scores, which are "
+                       "target-only's (the no-speech detector reads the target's law at the first position)")
+       for name in ("compression_ratio_threshold", "logprob_threshold", "no_speech_threshold")},
+    **{name: Treatment(HONOURED, f"long-form audio's windows and the timestamps' units; {_WHISPER}")
+       for name in ("num_segment_frames", "time_precision", "time_precision_features", "return_segments",
+                    "force_unique_generate_call", "monitor_progress")},
+    "return_token_timestamps": Treatment(REFUSED, "needs the cross-attention weights of every token, which "
+                                         "hf_spec's loop does not return", _not(
+        False, "`return_token_timestamps=True` is not supported with `assistant_model`: token timestamps come from "
+        "the cross-attention weights of every generated token, which hf_spec's loop does not return.")),
+}
+#: Tables of a model's own ``generate()`` arguments, by the class that defines that ``generate()``.
+MODEL_SETTINGS: dict[str, dict[str, Treatment]] = {"WhisperGenerationMixin": WHISPER_SETTINGS}
+
 #: Settings whose user value comes from `hf_spec.plan.user_settings` (the merged config holds transformers' defaults).
 ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
                       "assistant_lookbehind", "target_lookbehind")
@@ -158,6 +186,24 @@ def check_settings(generation_config: GenerationConfig, user: dict[str, Any]) ->
         warn_once(problem)
 
 
+def own_settings_table(model_class: type) -> dict[str, Treatment]:
+    """`MODEL_SETTINGS` of the class whose own ``generate()`` ``model_class`` runs (empty for transformers' generic
+    one)."""
+    for klass in model_class.__mro__:
+        if klass.__name__ in MODEL_SETTINGS and "generate" in klass.__dict__:
+            return MODEL_SETTINGS[klass.__name__]
+    return {}
+
+
+def check_own_settings(model_class: type, arguments: dict[str, Any]) -> None:
+    """Raise for a refused argument of the model's own ``generate()`` (`MODEL_SETTINGS`)."""
+    for name, treatment in own_settings_table(model_class).items():
+        if treatment.problem is not None and name in arguments:
+            problem = treatment.problem(arguments[name], None)
+            if problem is not None:
+                raise ValueError(f"{problem} (It is {arguments[name]!r}.)")
+
+
 @functools.cache
 def warn_once(message: str) -> None:
     """Log ``message`` as a warning, once per process."""
@@ -169,4 +215,11 @@ def settings_table() -> str:
     rows = ["| setting | hf_spec | what it means here |", "|---|---|---|"]
     rows += [f"| `{name}` | {treatment.kind} | {treatment.note} |" for name, treatment in SETTINGS.items()
              if treatment.kind != METADATA or not name.startswith("_")]
+    return "\n".join(rows)
+
+
+def whisper_settings_table() -> str:
+    """`WHISPER_SETTINGS` as a Markdown table (the one in ``docs/conditioned.md``)."""
+    rows = ["| Whisper's `generate()` argument | hf_spec | what it means here |", "|---|---|---|"]
+    rows += [f"| `{name}` | {treatment.kind} | {treatment.note} |" for name, treatment in WHISPER_SETTINGS.items()]
     return "\n".join(rows)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.compat import pad_token_tensor
 from hf_spec.drafting.base import Drafter, DraftSource
 from hf_spec.drafting.tree import TreeDrafter
-from hf_spec.settings import check_settings
+from hf_spec.settings import check_own_settings, check_settings
 from hf_spec.sizing.draft_length import AutoDraftLength
 from hf_spec.sizing.tree_size import AutoTreeSize
 from hf_spec.support import refuse_tree_without_positions, refuse_unsupported_family
@@ -68,8 +69,8 @@ def validate_input_types(input_ids: Any, attention_mask: Any, prefix: str = "") 
     if input_ids.dim() != 2:
         raise ValueError(f"{ids_name} must have shape [batch, length], but has shape {tuple(input_ids.shape)}; add "
                          "the batch dimension with input_ids.unsqueeze(0).")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise TypeError(f"{ids_name} must hold integer token ids, but has dtype {input_ids.dtype}.")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{ids_name} must hold integer token ids (int64, or int32), but has dtype {input_ids.dtype}.")
     if input_ids.shape[0] == 0:
         raise ValueError(f"{ids_name} must hold at least one row, but has shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] == 0:
@@ -130,6 +131,7 @@ class Call:
     cache: Any = None  # the cache transformers made (or the one passed as ``cache=``)
     streamer: Any = None
     synced_gpus: bool = False
+    own_arguments: dict[str, Any] = dataclasses.field(default_factory=dict)  # for the model's own generate() (Whisper)
 
     @property
     def is_tree(self) -> bool:
@@ -185,6 +187,7 @@ def check_generation_mode(call: Call) -> None:
 def check_setting_table(call: Call) -> None:
     """Every generation setting against `hf_spec.settings.SETTINGS`: refused values raise, warned ones warn once."""
     check_settings(call.generation_config, call.settings)
+    check_own_settings(type(call.model), call.own_arguments)
 
 
 def check_sampling(call: Call) -> None:
@@ -192,11 +195,25 @@ def check_sampling(call: Call) -> None:
     `hf_spec.plan.greedy_at_zero_temperature`)."""
     config = call.generation_config
     temperature = config.temperature
-    if temperature is not None and (not isinstance(temperature, numbers.Real) or temperature < 0):
-        raise ValueError(f"`temperature` must be a number >= 0, but is {temperature!r}.")
+    if isinstance(temperature, (tuple, list)) and takes_fallback_temperatures(call.model):
+        temperatures = temperature  # Whisper's fallback: its generate() runs one inner call per temperature
+    else:
+        temperatures = [temperature]
+    for value in temperatures:
+        if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"`temperature` must be a number >= 0, but is {temperature!r}.")
+    if len(temperatures) > 1:
+        return
     top_p = config.top_p
     if config.do_sample and temperature != 0 and top_p is not None and not (0 < top_p <= 1):
         raise ValueError(f"`top_p` must be in (0, 1], but is {top_p!r}.")
+
+
+def takes_fallback_temperatures(model: PreTrainedModel) -> bool:
+    """Whether the model's own generate() takes a sequence of temperatures to fall back through (Whisper's), calling
+    transformers' generate() with one of them at a time."""
+    return any("temperature" in inspect.signature(klass.__dict__["generate"]).parameters
+               for klass in type(model).__mro__ if "generate" in klass.__dict__)
 
 
 def check_tokenizers(call: Call) -> None:
@@ -250,6 +267,16 @@ def check_drafting(call: Call) -> None:
     elif draft is not None and tree and lookup is not None:
         raise ValueError("`num_tree_nodes` with both `assistant_model` and `prompt_lookup_num_tokens` is not "
                          "supported: pass one of them (the draft model's tree, or suffix matching).")
+
+
+def check_lengths(call: Call) -> None:
+    """``max_new_tokens``, ``max_length``, ``min_new_tokens``, ``min_length``: integers where set (a float reached the
+    draft's loops as a bare TypeError)."""
+    config = call.generation_config
+    for name, minimum in (("max_new_tokens", 1), ("max_length", 1), ("min_new_tokens", 0), ("min_length", 0)):
+        value = getattr(config, name, None)
+        if value is not None:
+            check_int(name, value, minimum)
 
 
 def check_sizes(call: Call) -> None:
@@ -319,7 +346,7 @@ def check_verification(call: Call) -> None:
 #: The rules on what a call was given, in the order they run (`check_call`).
 ARGUMENT_RULES: tuple[Rule, ...] = (
     check_generator, check_verification, check_input_types, check_family, check_generation_mode, check_setting_table,
-    check_sampling, check_tokenizers, check_drafting, check_sizes, check_trees,
+    check_lengths, check_sampling, check_tokenizers, check_drafting, check_sizes, check_trees,
 )
 
 
@@ -338,6 +365,15 @@ def check_batch(call: Call) -> None:
         )
     if batch_size > 1 and call.streamer is not None:
         raise ValueError(f"`streamer` supports a batch of one row, but `input_ids` has {batch_size} rows.")
+    vocab_size = call.model.config.get_text_config(decoder=True).vocab_size
+    pad = pad_token_tensor(call.generation_config)
+    pad_id = None if pad is None else int(pad.view(-1)[0])
+    if batch_size > 1 and pad_id is not None and not 0 <= pad_id < vocab_size:
+        raise ValueError(
+            f"`pad_token_id`={pad_id} is outside the model's vocabulary (0 to {vocab_size - 1}), and a batch of "
+            f"{batch_size} rows feeds it to the models (finished rows and holes are padded with it). A tokenizer that "
+            "added a pad token needs `model.resize_token_embeddings(len(tokenizer))`; or pass "
+            "`pad_token_id=tokenizer.eos_token_id` (the mask says which tokens are padding).")
 
 
 def check_input_values(call: Call) -> None:

@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hf_spec.rejection import accept_block, accept_draft_tokens, accept_tree
 from hf_spec.traversal import accept_traversal
 
@@ -65,8 +67,73 @@ def resolve_verification(value: Any) -> Verification:
     if value is None:
         return BLOCK
     if isinstance(value, Verification):
-        return value
+        return value if value in (BLOCK, TOKEN) else checked(value)
     if isinstance(value, str) and value in VERIFICATIONS:
         return VERIFICATIONS[value]
     raise ValueError(f"`verification` must be one of {tuple(VERIFICATIONS)} or a hf_spec Verification, but is "
                      f"{value!r}.")
+
+
+def checked(verification: Verification) -> Verification:
+    """``verification`` with its rules' outputs checked every round, raising by name where a rule of your own returns
+    what the loop cannot use: output ids of another shape, counts or paths past the draft, ids outside the vocabulary
+    (one host synchronization more per round)."""
+    if getattr(verification.chain, "is_checked", False):
+        return verification
+    return dataclasses.replace(verification, chain=_CheckedChain(verification.chain, verification.chain_name),
+                               tree=_CheckedTree(verification.tree, verification.tree_name))
+
+
+def _refuse(name: str, what: str) -> ValueError:
+    return ValueError(f"The `verification` rule {name!r} {what}; see hf_spec.verification.Verification for what a "
+                      "rule returns.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CheckedChain:
+    rule: Callable
+    name: str
+    is_checked: bool = True
+
+    def __call__(self, draft_ids, draft_probs, target_probs, generator, **options):
+        output_ids, num_accepted, *rest = self.rule(draft_ids, draft_probs, target_probs, generator, **options)
+        rows, k = draft_ids.shape
+        if not isinstance(output_ids, torch.Tensor) or tuple(output_ids.shape) != (rows, k + 1):
+            raise _refuse(self.name, f"returned output ids of shape {_shape(output_ids)} for {rows} rows of {k} "
+                          f"drafted tokens; they must be [rows, k + 1] = [{rows}, {k + 1}]")
+        if not isinstance(num_accepted, torch.Tensor) or tuple(num_accepted.shape) != (rows,):
+            raise _refuse(self.name, f"returned accepted counts of shape {_shape(num_accepted)}; they must be [rows] "
+                          f"= [{rows}]")
+        vocab_size = target_probs.shape[-1]
+        low, high, most = torch.stack([num_accepted.min(), output_ids.min(), output_ids.max()]).long().tolist()
+        largest = int(num_accepted.max())
+        if low < 0 or largest > k:
+            raise _refuse(self.name, f"accepted from {low} to {largest} tokens of {k} drafted; a row keeps 0 to {k}")
+        if high < 0 or most >= vocab_size:
+            raise _refuse(self.name, f"returned ids from {high} to {most}, outside the vocabulary of {vocab_size} ids")
+        return (output_ids, num_accepted, *rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CheckedTree:
+    rule: Callable
+    name: str
+    is_checked: bool = True
+
+    def __call__(self, token_ids, parents, draft_probs, target_probs, generator, **options):
+        path, next_id = self.rule(token_ids, parents, draft_probs, target_probs, generator, **options)
+        num_nodes, vocab_size = token_ids.shape[0], target_probs.shape[-1]
+        parent = -1
+        for node in path:
+            if not isinstance(node, int) or not 0 <= node < num_nodes or parents[node] != parent:
+                raise _refuse(self.name, f"returned the path {list(path)}, which is no path of the tree from its root "
+                              f"(node {node!r} after {parent}; the tree has {num_nodes} nodes)")
+            parent = node
+        if not isinstance(next_id, torch.Tensor) or next_id.numel() != 1 or not 0 <= int(next_id) < vocab_size:
+            raise _refuse(self.name, f"returned the next id {next_id!r}; it must be one id of the {vocab_size} in the "
+                          "vocabulary, as a tensor")
+        return path, next_id
+
+
+def _shape(value: Any) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -22,7 +24,7 @@ from transformers.generation.logits_process import (
     SuppressTokensAtBeginLogitsProcessor,
 )
 
-from logits_processors.compat import num_beams, prefix_allowed_tokens, prepare_sequence_bias
+from logits_processors.compat import encoder_ngram_bans, num_beams, prefix_allowed_tokens, prepare_sequence_bias
 from logits_processors.registry import register_block_processor
 
 
@@ -157,7 +159,43 @@ def prefix_constrained_block(processor, sequence_ids, prefix_lengths, scores):
     return torch.where(processed.amax(dim=-1, keepdim=True).isneginf(), mask, processed)
 
 
+def _rows_of(state: torch.Tensor, batch_size: int, name: str) -> torch.Tensor:
+    """A processor's per-row ``state`` ``[rows, ...]`` for a batch of ``batch_size`` rows (transformers repeats each
+    row for its beams; without beams the rows are the batch's)."""
+    if state.shape[0] == batch_size:
+        return state
+    if batch_size % state.shape[0]:
+        raise ValueError(f"{name} holds {state.shape[0]} rows, but the batch has {batch_size}.")
+    return state.repeat_interleave(batch_size // state.shape[0], dim=0)
+
+
+def encoder_repetition_penalty_block(processor, sequence_ids, prefix_lengths, scores):
+    """Penalize, at every position of row b, the ids of row b's encoder input (the prompt, for a decoder-only model):
+    transformers' gather and scatter, each row with its own ids, whichever rows share the call."""
+    ids = _rows_of(processor.encoder_input_ids.to(scores.device), scores.shape[0], "`encoder_repetition_penalty`")
+    index = ids[:, None, :].expand(-1, scores.shape[1], -1)  # [batch, k + 1, encoder length]
+    picked = scores.gather(-1, index)
+    picked = torch.where(picked < 0, picked * processor.penalty, picked / processor.penalty)
+    return scores.scatter(-1, index, picked)
+
+
+def encoder_no_repeat_ngram_block(processor, sequence_ids, prefix_lengths, scores):
+    """Ban, at each position of row b, the tokens that would complete an n-gram of row b's encoder input: transformers'
+    own lookup with each row's own n-grams (a call on a group of rows would read the first rows' n-grams)."""
+    if scores.shape[0] != processor.batch_size:
+        raise ValueError(f"`encoder_no_repeat_ngram_size` was set up for {processor.batch_size} rows, but the batch "
+                         f"has {scores.shape[0]} (speculative decoding runs without beams).")
+    processed = scores.clone()
+    for row, lengths in enumerate(position_lengths(prefix_lengths, scores).tolist()):
+        for position, length in enumerate(lengths):
+            banned = encoder_ngram_bans(processor, row, sequence_ids[row, :length])
+            processed[row, position, banned] = float("-inf")
+    return processed
+
+
 register_block_processor(PrefixConstrainedLogitsProcessor, prefix_constrained_block)
+register_block_processor(EncoderRepetitionPenaltyLogitsProcessor, encoder_repetition_penalty_block)
+register_block_processor(EncoderNoRepeatNGramLogitsProcessor, encoder_no_repeat_ngram_block)
 register_block_processor(MinLengthLogitsProcessor, min_length_block)
 register_block_processor(MinNewTokensLengthLogitsProcessor, min_new_tokens_block)
 register_block_processor(SuppressTokensAtBeginLogitsProcessor, suppress_at_begin_block)

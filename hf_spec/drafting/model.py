@@ -5,8 +5,17 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hf_spec.caches import ColumnRules, attach_inputs, cache_length, crop_to, move_columns, new_cache, select_rows
-from hf_spec.conditioning import Conditioning
+from hf_spec.caches import (
+    ColumnRules,
+    attach_inputs,
+    cache_length,
+    crop_to,
+    move_columns,
+    new_cache,
+    reads_encoder_outputs,
+    select_rows,
+)
+from hf_spec.conditioning import Conditioning, holds_same_encoder
 from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is_unconfident, stack_laws
 from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table, prefill
 from hf_spec.rows import RaggedBatch
@@ -107,6 +116,7 @@ def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_lengt
                   "the target's tokenizer, padded to another size, is fine; a draft with another tokenizer proposes "
                   "ids that mean other tokens and is almost never accepted: pass `tokenizer=` and "
                   "`assistant_tokenizer=` to generate() to draft across tokenizers.")
+    check_encoder_side(draft, target)
     table = position_table(draft)
     if table is not None and max_length - 2 > table:
         raise ValueError(
@@ -115,3 +125,27 @@ def check_draft_model(draft: PreTrainedModel, target: PreTrainedModel, max_lengt
             "`max_new_tokens` or use a draft with a longer context."
         )
 
+
+
+def check_encoder_side(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+    """An encoder-decoder target's draft reads what its encoder read or what it wrote: an encoder-decoder draft with an
+    encoder of its own reads the target's encoder ids, so its embedding holds them; a decoder reading the target's
+    encoder outputs (distil-whisper's ``WhisperForCausalLM``) has their width."""
+    if not target.config.is_encoder_decoder or not reads_encoder_outputs(draft):
+        return
+    if draft.config.is_encoder_decoder:
+        if target.main_input_name != "input_ids" or holds_same_encoder(draft, target):
+            return
+        rows = draft.get_encoder().get_input_embeddings().num_embeddings
+        target_rows = target.get_encoder().get_input_embeddings().num_embeddings
+        if rows < target_rows:
+            raise ValueError(f"`assistant_model` ({type(draft).__name__}) runs its own encoder on the model's input "
+                             f"ids, but its embedding has {rows} rows and the model's {target_rows}: ids past "
+                             f"{rows - 1} would not be found. Use a draft with the model's tokenizer and vocabulary.")
+        return
+    width, target_width = (getattr(model.config, "d_model", None) or model.config.hidden_size
+                           for model in (draft, target))
+    if width != target_width:
+        raise ValueError(f"`assistant_model` ({type(draft).__name__}) attends over the model's encoder outputs, which "
+                         f"are {target_width} wide, but it is {width} wide: a decoder-only assistant must be made for "
+                         "this model's encoder (distil-whisper's assistants keep their teacher's).")

@@ -38,6 +38,7 @@ from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 from hf_spec.loading.packed_layer import PACKED_REFUSAL, PackedLinear, packed_linear  # noqa: F401 (re-exported)
 from hf_spec.sizing.cost_store import STORE_VARIABLE, load_path, path_key, save_path
 from hf_spec.sizing.costs import forget_costs
+from hf_spec.sizing.load import LoadMeter
 from hf_spec.sizing.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class CpuPath:
     aten_max_rows: int  # passes of at most this many rows (batch x tokens) run with oneDNN switched off; 0: never
     seconds: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     reason: str = ""
+    quiet: bool = True  # timed while no other process loaded the machine (`hf_spec.sizing.load`): kept on disk
 
     def describe(self) -> str:
         lines = [f"CPU forward path: {self.name}" + (f" ({self.reason})" if self.reason else "")]
@@ -109,9 +111,14 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
     stored = None if key is None else load_path(key)
     if stored is not None and (chosen := _restore(model, CpuPath(**stored))) is not None:
         return chosen
-    chosen = _measure(model, path, role, widths, repeats)
-    if key is not None:
-        save_path(key, dataclasses.asdict(chosen))
+    with LoadMeter() as load:
+        chosen = _measure(model, path, role, widths, repeats)
+    chosen.quiet = not load.is_loaded
+    if key is not None and chosen.quiet:
+        save_path(key, {name: value for name, value in dataclasses.asdict(chosen).items() if name != "quiet"})
+    elif key is not None:
+        logger.warning("hf_spec timed the CPU paths while other processes used %.0f%% of the CPUs; the choice serves "
+                       "this process and is not kept for later ones.", 100 * load.others_share)
     return chosen
 
 

@@ -230,7 +230,8 @@ def seed_pair_costs(target: PreTrainedModel, draft) -> None:
     target_path, draft_path = packed.cpu_path(target), packed.cpu_path(draft)
     if target_path is not None and draft_path is not None and not isinstance(draft, DraftHeadBase):
         seed_costs(target, ModelDrafter(draft), target_path.seconds.get(target_path.name, {}),
-                   draft_path.seconds.get(draft_path.name, {}), DEFAULT_MAX_DRAFT_TOKENS + 1)
+                   draft_path.seconds.get(draft_path.name, {}), DEFAULT_MAX_DRAFT_TOKENS + 1,
+                   persist=target_path.quiet and draft_path.quiet)
 
 
 def draft_quantization(quantize_draft: str | None, draft: PreTrainedModel, quantize: str | None = None

@@ -53,6 +53,8 @@ INT4_GROUP = 32
 #: and scales the result: the int8 kernels are made for a few rows, and a prompt's pass of many rows runs faster
 #: through the dense matmul (docs/quantization.md).
 DENSE_ROWS = 16
+#: The activation dtypes torch's int8 and int4 kernels take; others (float64) are computed in float32.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Tiles (of `hf_spec.loading.int8_rows.TILE` outputs) cast together in a prompt's pass: 1,024 outputs, a few MB.
 DENSE_TILES = 256
 
@@ -78,29 +80,11 @@ class WeightOnlyLinear(nn.Module):
         """``int8``: the codes ``[out, in]`` and scales ``[out]`` another library quantized (`adopt_torchao`);
         otherwise ``linear``'s weight is quantized here. ``dynamic``: inputs quantized on the fly (``"w8a8"``)."""
         super().__init__()
-        if bits not in (4, 8) or (dynamic and bits != 8):
-            raise ValueError(f"`bits` must be 4 or 8 (8 with `dynamic`), but is {bits!r}.")
-        self.bits, self.in_features, self.out_features = bits, linear.in_features, linear.out_features
-        self.dynamic = dynamic
+        self._describe(bits, linear.in_features, linear.out_features, dynamic)
         dtype = linear.weight.dtype
-        self.takes_rows_kernel = not dynamic and bits == 8 and fits(self.in_features, self.out_features, dtype) \
-            and rows_kernel() is not None
-        self.takes_dynamic_kernel = dynamic and fits_dynamic(self.in_features, self.out_features) \
-            and dynamic_kernel() is not None
-        if dynamic:
+        if bits == 8:
             codes, scales = int8 if int8 is not None else int8_codes(linear.weight.detach().float())
-            if self.takes_dynamic_kernel:
-                self.register_buffer("weight_vnni", vnni_tiles(codes))
-            else:
-                self.register_buffer("weight_int8", codes)
-            self.register_buffer("scales", scales.float())
-        elif bits == 8:
-            codes, scales = int8 if int8 is not None else int8_codes(linear.weight.detach().float())
-            if self.takes_rows_kernel:
-                self.register_buffer("weight_tiles", tiles(codes))
-            else:
-                self.register_buffer("weight_int8", codes)
-            self.register_buffer("scales", scales.to(dtype))
+            self._hold_int8(codes, scales, dtype)
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, but a layer has "
@@ -110,18 +94,131 @@ class WeightOnlyLinear(nn.Module):
             scales = ((high - low) / 15).clamp_min(1e-12)
             codes = ((groups - low) / scales).round().clamp(0, 15).view(self.out_features, -1).to(torch.int32)
             zeros = low + 8 * scales  # torch's convention: w = (code - 8) * scale + zero
-            self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
-            self.register_buffer("scales_and_zeros", torch.stack(
-                [scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).contiguous().to(dtype))
+            self._hold_int4(codes, torch.stack([scales.squeeze(-1).T, zeros.squeeze(-1).T], dim=-1).to(dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def _describe(self, bits: int, in_features: int, out_features: int, dynamic: bool) -> None:
+        if bits not in (4, 8) or (dynamic and bits != 8):
+            raise ValueError(f"`bits` must be 4 or 8 (8 with `dynamic`), but is {bits!r}.")
+        self.bits, self.in_features, self.out_features, self.dynamic = bits, in_features, out_features, dynamic
+
+    def _hold_int8(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """Keep int8 ``codes`` ``[out, in]`` and ``scales`` ``[out]`` in the layout of the fastest kernel here."""
+        self.takes_rows_kernel = not self.dynamic and fits(self.in_features, self.out_features, dtype) \
+            and rows_kernel() is not None
+        self.takes_dynamic_kernel = self.dynamic and fits_dynamic(self.in_features, self.out_features) \
+            and dynamic_kernel() is not None
+        if self.takes_dynamic_kernel:
+            self.register_buffer("weight_vnni", vnni_tiles(codes))
+        elif self.takes_rows_kernel:
+            self.register_buffer("weight_tiles", tiles(codes))
+        else:
+            self.register_buffer("weight_int8", codes)
+        self.register_buffer("scales", scales.float() if self.dynamic else scales.to(dtype))
+
+    def _hold_int4(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        """Keep int4 ``codes`` ``[out, in]`` (0 to 15) and ``scales_and_zeros`` ``[in / group, out, 2]`` in torch's
+        CPU packing."""
+        self.takes_rows_kernel = self.takes_dynamic_kernel = False
+        self.register_buffer("weight_int4",
+                             torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
+
+    # --- the saved form: what `state_dict` and ``save_pretrained`` write, the same on every CPU ----------------------
+
+    @classmethod
+    def to_load(cls, in_features: int, out_features: int, bits: int, dynamic: bool, bias: bool,
+                dtype: torch.dtype) -> WeightOnlyLinear:
+        """An empty layer holding the saved form's buffers (`saved_state`), for a loader to fill; `unpack` then puts
+        them in the layout of this CPU's kernels."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._describe(bits, in_features, out_features, dynamic)
+        layer.takes_rows_kernel = layer.takes_dynamic_kernel = False
+        if bits == 8:
+            layer.register_buffer("weight_int8", torch.empty((out_features, in_features), dtype=torch.int8))
+            layer.register_buffer("scales", torch.empty(out_features, dtype=torch.float32 if dynamic else dtype))
+        else:
+            layer.register_buffer("weight_int4_codes",
+                                  torch.empty((out_features, in_features // 2), dtype=torch.uint8))
+            layer.register_buffer("scales_and_zeros", torch.empty((in_features // INT4_GROUP, out_features, 2),
+                                                                  dtype=dtype))
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        return layer
+
+    def unpack(self) -> None:
+        """After loading the saved form (`to_load`): its buffers put in the layout of this CPU's kernels."""
+        if self.bits == 8 and "weight_int8" in self._buffers and not (self.takes_rows_kernel or
+                                                                       self.takes_dynamic_kernel):
+            codes, scales = self._buffers.pop("weight_int8"), self._buffers.pop("scales")
+            self._hold_int8(codes, scales, torch.float32 if self.dynamic else scales.dtype)
+        elif self.bits == 4 and "weight_int4_codes" in self._buffers:
+            packed = self._buffers.pop("weight_int4_codes")
+            codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(self.out_features, self.in_features)
+            self._hold_int4(codes, self._buffers.pop("scales_and_zeros"))
+
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """The saved form: int8 ``weight_int8`` ``[out, in]`` and ``scales`` ``[out]``; or int4 ``weight_int4_codes``
+        ``[out, in / 2]`` uint8 (two codes a byte, the even input in the low half) and ``scales_and_zeros``; and
+        ``bias``. The same whatever this CPU's layout, so that a model saved on one machine loads on any."""
+        if "weight_int4_codes" in self._buffers:  # not unpacked yet (`to_load`)
+            state = {name: self._buffers[name] for name in ("weight_int4_codes", "scales_and_zeros")}
+        elif self.bits == 8:
+            state = {"weight_int8": self.int8_weight(), "scales": self.scales}
+        else:
+            codes = self.int4_codes().to(torch.uint8)  # [out, in]
+            state = {"weight_int4_codes": codes[:, 0::2] | (codes[:, 1::2] << 4),
+                     "scales_and_zeros": self.scales_and_zeros}
+        return state if self.bias is None else {**state, "bias": self.bias}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, value in self.saved_state().items():
+            destination[prefix + name] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loads the saved form (`saved_state`), whatever layout this CPU's kernels keep it in."""
+        names = ("weight_int8", "scales") if self.bits == 8 else ("weight_int4_codes", "scales_and_zeros")
+        names += () if self.bias is None else ("bias",)
+        missing = [prefix + name for name in names if prefix + name not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        saved = {name: state_dict[prefix + name] for name in names}
+        for name in list(self._buffers):
+            del self._buffers[name]
+        for name in names[:2]:
+            self.register_buffer(name, saved[name].detach().clone())
+        self.takes_rows_kernel = self.takes_dynamic_kernel = False
+        self.unpack()
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(saved["bias"])
+
+    def int4_codes(self) -> torch.Tensor:
+        """The int4 codes ``[out, in]`` (0 to 15, int32), read back from torch's packing through its own kernel in
+        float32 (each weight is exactly ``(code - 8) * scale + zero``), a block of inputs at a time."""
+        sz = self.scales_and_zeros.float()  # [in / group, out, 2]
+        scale = sz[..., 0].T.repeat_interleave(INT4_GROUP, dim=1)  # [out, in]
+        zero = sz[..., 1].T.repeat_interleave(INT4_GROUP, dim=1)
+        blocks = []
+        for start in range(0, self.in_features, 1024):
+            eye = torch.eye(self.in_features, dtype=torch.float32, device=sz.device)[start:start + 1024]
+            blocks.append(torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_int4, INT4_GROUP, sz).T)
+        weight = torch.cat(blocks, dim=1)  # [out, in]
+        return ((weight - zero) / scale + 8).round().clamp(0, 15).to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
+        if rows.dtype not in KERNEL_DTYPES:  # float64 (a model moved with .to()): computed in float32, cast back
+            return self.forward(x.float()).to(x.dtype)
+        if self.dynamic:  # its scales stay float32 whatever .to() did to the buffers
+            scales = self.scales if self.scales.dtype == torch.float32 else self.scales.float()
         if self.dynamic and self.takes_dynamic_kernel:
             taken = rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float()
-            out = dynamic_kernel().int8_dynamic_mm(taken.contiguous(), self.weight_vnni, self.scales).to(rows.dtype)
+            out = dynamic_kernel().int8_dynamic_mm(taken.contiguous(), self.weight_vnni, scales).to(rows.dtype)
         elif self.dynamic:
-            out = dynamic_int8_mm(rows, self.weight_int8, self.scales).to(rows.dtype)
+            out = dynamic_int8_mm(rows, self.weight_int8, scales).to(rows.dtype)
         elif self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
             out = self._dense_int8(rows)
         elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and (kernel := rows_kernel()):
@@ -228,6 +325,9 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
     for parent, name, child, bits in plan:
         setattr(parent, name, WeightOnlyLinear(child, bits, dynamic=scheme == "w8a8"))
     model.hf_spec_weight_only = scheme
+    from hf_spec.loading.weight_only_saved import mark_quantized  # it imports this module
+
+    mark_quantized(model, scheme)
     return model
 
 
@@ -255,4 +355,7 @@ def adopt_torchao(model: nn.Module) -> int:
         setattr(parent, name, WeightOnlyLinear(child, 8, int8=int8))
     if plan:
         model.hf_spec_weight_only = "int8"
+        from hf_spec.loading.weight_only_saved import mark_quantized
+
+        mark_quantized(model, "int8")
     return len(plan)

@@ -31,6 +31,10 @@ class Sizer(abc.ABC):
         """Whether the cost probe should seed it before the first round (an automatic sizer without costs)."""
         return False
 
+    def observed_ratios(self) -> tuple[float, float] | None:
+        """The call's timed passes against the probe's costs, where it learnt from both (automatic sizers)."""
+        return None
+
     @abc.abstractmethod
     def learn_chain(self, proposal: Proposal, num_accepted: list[int], draft_seconds: float,
                     verify_seconds: float | None, reach: list[list[float]] | None = None) -> None:

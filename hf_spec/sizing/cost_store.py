@@ -1,8 +1,12 @@
 """Probed costs kept on disk, so that a fresh process's first automatic call starts from measured costs without
-probing: one JSON file per (machine, torch, the two models' architectures, dtypes, devices and kernels, the drafter's
-kind, threads) under ``$HF_SPEC_CACHE/costs`` (`hf_spec.storage.cache_dir`). The CPU paths
-`hf_spec.loading.packed.optimize` chose are kept there too, one file per (machine, torch, threads, role, the timed
-widths, the model's architecture, dtype and layers), so that a later process loads its models without timing them.
+probing: one JSON file per (machine: its CPU model and flags; torch; hf_spec's version and kernel sources; the two
+models' architectures, dtypes, devices and kernels; the drafter's kind; threads) under ``$HF_SPEC_CACHE/costs``
+(`hf_spec.storage.cache_dir`). The CPU paths `hf_spec.loading.packed.optimize` chose are kept there too, one file per
+(machine, torch, kernels, threads, role, the timed widths, the model's architecture, dtype and layers), so that a
+later process loads its models without timing them.
+
+A timing taken while other processes loaded the machine is not written (`hf_spec.sizing.load`), and a call whose own
+timings disagree with a stored table corrects it (`hf_spec.sizing.costs.correct_costs`).
 
 Costs depend on the shapes and the kernels, not on the weights' values, so a model is identified by its config, dtype,
 device and the kinds of its modules and hooks (packed layers, the kernel dispatch), never by its weights.
@@ -12,6 +16,7 @@ device and the kinds of its modules and hooks (packed layers, the kernel dispatc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -37,8 +42,9 @@ def store_folder() -> Path | None:
 
 def store_key(target, draft_model, drafter, threads: int) -> str:
     """A file name for the costs of this pair on this machine: the hash of everything they depend on."""
-    parts = [_machine(), torch.__version__, str(threads), type(drafter).__name__ if drafter is not None else "",
-             _model_signature(target), _model_signature(draft_model)]
+    kind = type(drafter).__name__ if drafter is not None else ""
+    parts = [_machine(), torch.__version__, _kernels(), str(threads), kind, _model_signature(target),
+             _model_signature(draft_model)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -62,8 +68,8 @@ def save_table(key: str, table) -> None:
 def path_key(model, role: str, widths: list[int], repeats: int) -> str:
     """A file name for the CPU path `hf_spec.loading.packed.optimize` chose for a model of this kind, in this role,
     on this machine and thread count (its timings decide it, and seed auto k's costs)."""
-    parts = ["cpu path", _machine(), torch.__version__, str(torch.get_num_threads()), role, str(sorted(widths)),
-             str(repeats), _model_signature(model)]
+    parts = ["cpu path", _machine(), torch.__version__, _kernels(), str(torch.get_num_threads()), role,
+             str(sorted(widths)), str(repeats), _model_signature(model)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -121,6 +127,17 @@ def _machine() -> str:
     except OSError:
         model = platform.processor()
     return f"{platform.machine()} {model} {flags} {os.cpu_count()}"
+
+
+@functools.cache
+def _kernels() -> str:
+    """hf_spec's version and its C++ kernels' sources (a rebuilt kernel times differently; torch's version, beside it
+    in the keys, fixes the oneDNN it bundles)."""
+    sources = sorted((Path(__file__).parent.parent / "loading" / "kernels").glob("*.cpp"))
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:16]
+    from hf_spec import __version__
+
+    return f"{__version__} {digest}"
 
 
 def _model_signature(model) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 import weakref
 
@@ -23,10 +24,15 @@ from transformers.modeling_outputs import BaseModelOutput
 from hf_spec.caches import cache_length, crop_to, new_cache, reads_encoder_outputs
 from hf_spec.forward import input_names, position_table
 from hf_spec.sizing.cost_store import load_table, save_table, store_key
+from hf_spec.sizing.load import LoadMeter
 from hf_spec.sizing.speedup import predicted_speedup
+
+logger = logging.getLogger(__name__)
 
 #: Tokens of random context before the timed passes (costs grow slowly with the cache length).
 PROBE_PREFIX_LENGTH = 32
+#: A call's observed costs within this factor of the table's (either way) leave the table as it is (`correct_costs`).
+AGREEMENT = 1.25
 #: The target pass sizes the probe may time; other sizes are interpolated, and sizes past the last extrapolated.
 PROBE_BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 48, 64)
 
@@ -62,7 +68,14 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
     the widths interleaved so that slow phases of a shared machine hit them alike."""
     cache = new_cache(model, max_pass=max(widths))
     names, extra = input_names(type(model)), probe_conditioning(model, prefix_ids)
-    model(**{names.ids: prefix_ids}, **extra, cache=cache, use_cache=True, logits_to_keep=1)
+
+    def positions(start: int, width: int) -> dict:  # given, so that no position state a model keeps from the call
+        if names.positions is None:  # it serves (Qwen2-VL's rope deltas, of the call's rows) is read here
+            return {}
+        return {names.positions: torch.arange(start, start + width, device=prefix_ids.device)[None]}
+
+    model(**{names.ids: prefix_ids}, **positions(0, prefix_ids.shape[1]), **extra, cache=cache, use_cache=True,
+          logits_to_keep=1)
     prefix = cache_length(cache)
     seconds = {width: [] for width in widths}
     for _ in range(repeats):
@@ -70,7 +83,8 @@ def forward_seconds(model: PreTrainedModel, prefix_ids: torch.Tensor, widths: li
             block = prefix_ids[:, -1:].expand(-1, width)  # [1, width]
             synchronize(model.device)
             started = time.perf_counter()
-            model(**{names.ids: block}, **extra, cache=cache, use_cache=True, logits_to_keep=width)
+            model(**{names.ids: block}, **positions(prefix, width), **extra, cache=cache, use_cache=True,
+                  logits_to_keep=width)
             synchronize(model.device)
             seconds[width].append(time.perf_counter() - started)
             crop_to(cache, prefix)
@@ -94,17 +108,17 @@ def measure_costs(target: PreTrainedModel, drafter, prefix_ids: torch.Tensor, bl
     drafter's passes over ``draft_widths`` tokens (and 1; a tree's levels), from its `Drafter.measure_passes` hook:
     nothing for a drafter without forward passes (prompt lookup), whose steps then cost 0.
 
-    The two models take turns, one repeat each (a fresh prefill each time), and each figure is the median over the
-    repeats: a slow phase of a shared machine (seconds long) then spoils one repeat of each, which the median drops,
+    The two models take turns, one repeat each (a fresh prefill each time), and each figure is the fastest of the
+    repeats: a slow phase of a shared machine (seconds long) then spoils one repeat of each, which the minimum drops,
     instead of every pass of one model (a probe that timed the draft's three steps in one such phase put c at 0.80
-    where the call's own passes measured 0.32)."""
+    where the call's own passes measured 0.32); another process slows a pass, never speeds it up."""
     sizes, widths = sorted({1, *block_sizes}), sorted({1, *draft_widths})
     target_runs, draft_runs = [], []
     for _ in range(repeats):
         target_runs.append(forward_seconds(target, prefix_ids.to(target.device), sizes, repeats=1))
         draft_runs.append({} if drafter is None else drafter.measure_passes(prefix_ids, widths, 1))
-    target_seconds = {size: float(np.median([run[size] for run in target_runs])) for size in sizes}
-    draft_passes = {width: float(np.median([run[width] for run in draft_runs])) for width in draft_runs[0]}
+    target_seconds = {size: min(run[size] for run in target_runs) for size in sizes}
+    draft_passes = {width: min(run[width] for run in draft_runs) for width in draft_runs[0]}
     return CostTable(target_seconds[1], draft_passes.get(1, 0.0), target_seconds, draft_passes)
 
 
@@ -156,21 +170,58 @@ def probe_costs(target: PreTrainedModel, drafter, block_sizes: tuple[int, ...], 
             vocab_size = min(vocab_size, draft_model.get_input_embeddings().num_embeddings)
         length = max(1, min(PROBE_PREFIX_LENGTH, positions - max(sizes) - 1))
         prefix_ids = torch.randint(vocab_size, (1, length), generator=generator)
-        measured = measure_costs(target, drafter, prefix_ids, missing or [1], repeats,
-                                 tuple(missing_widths) if table is not None else tuple(draft_widths))
+        with LoadMeter() as load:
+            measured = measure_costs(target, drafter, prefix_ids, missing or [1], repeats,
+                                     tuple(missing_widths) if table is not None else tuple(draft_widths))
         table = measured if table is None else merged_costs(table, measured)
-        save_table(stored, table)
+        keep_unless_loaded(stored, table, load)
     probed[key] = table
     return table
 
 
+def keep_unless_loaded(stored: str, table: CostTable, load: LoadMeter) -> None:
+    """Save ``table`` for later processes unless other processes kept the machine busy while it was timed (it then
+    serves this process only; a quiet call's own timings store it later, `correct_costs`)."""
+    if load.is_loaded:
+        logger.warning("hf_spec timed its passes while other processes used %.0f%% of the CPUs; the costs serve this "
+                       "process and are not kept for later ones.", 100 * load.others_share)
+        return
+    save_table(stored, table)
+
+
+def correct_costs(target: PreTrainedModel, drafter, observed: tuple[float, float]) -> CostTable | None:
+    """Bring the stored costs of ``target`` and ``drafter`` to what a call observed, where they disagree: ``observed``
+    is the call's median target pass and draft step over the table's figures (`OnlineSizer.observed_ratios`), from a
+    call during which the machine was not loaded. A ratio within `AGREEMENT` of 1 changes nothing; otherwise the
+    target's passes, or the draft's, are scaled by it, in the process and on disk. Returns the new table, if any."""
+    target_ratio, draft_ratio = observed
+    if all(1 / AGREEMENT <= ratio <= AGREEMENT for ratio in observed):
+        return None
+    draft_model = None if drafter is None else drafter.cost_key
+    threads = torch.get_num_threads()
+    key = _process_key(target, draft_model, drafter, threads)
+    probed = _PROBED.get(target, {}).get(_WeakKey(draft_model), {})
+    table = probed.get(key)
+    if table is None:
+        return None
+    corrected = CostTable(table.target_step_seconds * target_ratio, table.draft_step_seconds * draft_ratio,
+                          {size: seconds * target_ratio for size, seconds in table.target_block_seconds.items()},
+                          {width: seconds * draft_ratio for width, seconds in table.draft_pass_seconds.items()})
+    logger.info("stored pass costs corrected from a call's own timings: target passes x%.2f, draft passes x%.2f",
+                target_ratio, draft_ratio)
+    probed[key] = corrected
+    save_table(store_key(target, draft_model, drafter, threads), corrected)
+    return corrected
+
+
 def seed_costs(target: PreTrainedModel, drafter, target_seconds: dict[int, float],
-               draft_seconds: dict[int, float], up_to: int) -> CostTable | None:
+               draft_seconds: dict[int, float], up_to: int, persist: bool = True) -> CostTable | None:
     """Costs from timings made anyway (`hf_spec.loading.packed.optimize` times each model's passes to choose its
     kernels): the target's passes by tokens, and the draft's, as if `probe_costs` had measured them, so that a first
     automatic call does not probe. Sizes up to ``up_to`` that were not timed are interpolated (extrapolated past the
     widest, with the last slope, as the sizers would). A table already known (in the process or on disk) wins;
-    returns the table in use, ``None`` when the timings lack the target step."""
+    returns the table in use, ``None`` when the timings lack the target step. ``persist``: whether the timings were
+    made on a quiet machine, and may be kept for later processes."""
     if 1 not in target_seconds or (drafter is not None and drafter.cost_key is not None and 1 not in draft_seconds):
         return None
     draft_model = None if drafter is None else drafter.cost_key
@@ -184,7 +235,8 @@ def seed_costs(target: PreTrainedModel, drafter, target_seconds: dict[int, float
         blocks = {size: interpolated(known, size) for size in sorted({*target_seconds, *probe_sizes(up_to)})}
         passes = {width: seconds for width, seconds in draft_seconds.items() if width <= 2}
         table = CostTable(blocks[1], passes.get(1, 0.0), blocks, passes)
-        save_table(stored, table)
+        if persist:
+            save_table(stored, table)
     probed[key] = table
     return table
 

@@ -38,6 +38,9 @@ HOPE_ERRORS = 1.0
 #: drafted (rounds that stop short never observe it, and its estimate leans on the pooled rate).
 REACH_ERRORS = 0.5
 
+#: Timed rounds of each model a call needs before its timings may correct the stored costs.
+OBSERVED_ROUNDS = 8
+
 logger = logging.getLogger(__name__)
 
 
@@ -140,6 +143,9 @@ class OnlineSizer:
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 (once the call's timings agree)
         self.has_costs = False
         self.chosen: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)  # tokens drafted, last rounds
+        # this call's timings over the probe's figures, per round: target passes, and draft steps (`observed_ratios`)
+        self.observed: dict[str, list[float]] = {"target": [], "draft": []}
+        self.seeded_draft_step = 0.0
 
     @property
     def needs_costs(self) -> bool:
@@ -153,6 +159,8 @@ class OnlineSizer:
         two nodes is no catch-up)."""
         self.costs.seed(costs, weight, catch_up)
         self.has_costs = True
+        self.seeded_draft_step = costs.draft_step_seconds
+        self.observed = {"target": [], "draft": []}
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0
         if self.is_hopeless:
@@ -187,6 +195,14 @@ class OnlineSizer:
         blocks = {size: self.block_seconds(size) for size in sizes}
         return CostTable(self.block_seconds(1), self.costs.draft_step.get(0.0), blocks, {}).best_possible_speedup()
 
+    def observed_ratios(self) -> tuple[float, float] | None:
+        """This call's median target pass and draft step over the probe's figures, ``(target, draft)``, where it timed
+        `OBSERVED_ROUNDS` rounds of each (the probe's costs are then checked against them: `correct_costs`)."""
+        target, draft = (sorted(self.observed[name]) for name in ("target", "draft"))
+        if len(target) < OBSERVED_ROUNDS or len(draft) < OBSERVED_ROUNDS:
+            return None
+        return target[len(target) // 2], draft[len(draft) // 2]
+
     def _chose(self, num_drafted: int) -> None:
         self.exploration.chose(num_drafted)
         self.chosen.append(num_drafted)
@@ -199,9 +215,14 @@ class OnlineSizer:
         means for exploration; untimed rounds (the prefill) teach no cost."""
         is_drafting = num_block_tokens > 1
         if verify_seconds is not None:
+            speed = self.costs.round_speed(num_block_tokens, verify_seconds)
+            if self.costs.reference:
+                self.observed["target"].append(speed)
             if num_model_steps > 0:
-                speed = self.costs.round_speed(num_block_tokens, verify_seconds)
-                draft_step.add_timing(draft_seconds / (num_model_steps + catch_up_steps), scale=speed)
+                step_seconds = draft_seconds / (num_model_steps + catch_up_steps)
+                draft_step.add_timing(step_seconds, scale=speed)
+                if draft_step is self.costs.draft_step and self.seeded_draft_step > 0:
+                    self.observed["draft"].append(step_seconds / self.seeded_draft_step)
             self.costs.add_block(num_block_tokens, verify_seconds)
             if self.is_hopeless and self.costs.draft_step.seeded is None:
                 self.is_hopeless = self._best_possible_speedup() < 1.0  # the step judged: hopeless if it held
