@@ -105,10 +105,11 @@ class _CheckedChain:
             raise _refuse(self.name, f"returned accepted counts of shape {_shape(num_accepted)}; they must be [rows] "
                           f"= [{rows}]")
         vocab_size = target_probs.shape[-1]
-        low, high, most = torch.stack([num_accepted.min(), output_ids.min(), output_ids.max()]).long().tolist()
-        largest = int(num_accepted.max())
+        low, largest = torch.stack([num_accepted.min(), num_accepted.max()]).long().tolist()
         if low < 0 or largest > k:
             raise _refuse(self.name, f"accepted from {low} to {largest} tokens of {k} drafted; a row keeps 0 to {k}")
+        emitted = output_ids[torch.arange(k + 1, device=output_ids.device) <= num_accepted[:, None]]  # what is kept
+        high, most = torch.stack([emitted.min(), emitted.max()]).long().tolist()
         if high < 0 or most >= vocab_size:
             raise _refuse(self.name, f"returned ids from {high} to {most}, outside the vocabulary of {vocab_size} ids")
         return (output_ids, num_accepted, *rest)

@@ -399,3 +399,125 @@ def test_drafts_pruned_to_other_sizes_keep_their_own_paths(monkeypatch, tmp_path
         optimize(prune_vocabulary(make_tiny_model(seed=seed).to(torch.bfloat16), range(size)), role="draft")
         counts.append(len(timed))
     assert 0 < counts[0] < counts[1] == counts[2]
+
+
+class _Load:
+    """A `hf_spec.sizing.load.LoadMeter` that reports what the test says the rest of the machine did."""
+
+    share = 0.0
+
+    def __init__(self):
+        self.others_share = _Load.share
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.others_share = _Load.share
+
+    @property
+    def is_loaded(self):
+        return self.others_share > 0.25
+
+
+@pytest.fixture
+def machine_load(monkeypatch):
+    """Set ``machine_load.share`` to the share of the CPUs other processes take while hf_spec times or decodes."""
+    from hf_spec import mixin
+
+    for module in (costs, packed, mixin):
+        monkeypatch.setattr(module, "LoadMeter", _Load)
+    _Load.share = 0.0
+    return _Load
+
+
+def test_costs_timed_on_a_busy_machine_serve_the_process_and_are_not_stored(monkeypatch, tmp_path, machine_load,
+                                                                            caplog):
+    """A first run while other work keeps the CPUs busy: its probe and its CPU-path choice serve that process only (a
+    warning says so); a later quiet process times again and stores what it measured."""
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    machine_load.share = 0.8
+    with caplog.at_level(logging.WARNING):
+        busy = probe_costs(target, ModelDrafter(draft), (2, 3))
+        optimize(make_tiny_model(seed=0).to(torch.bfloat16), role="draft")
+    assert list(tmp_path.glob("*.json")) == []
+    assert "other processes used 80% of the CPUs" in caplog.text
+    assert probe_costs(target, ModelDrafter(draft), (2, 3)) is busy, "the process keeps what it measured"
+    costs._PROBED.clear()  # a new process, on a quiet machine
+    machine_load.share = 0.05
+    asked, measure = [], costs.measure_costs
+    monkeypatch.setattr(costs, "measure_costs", lambda *args: asked.append(1) or measure(*args))
+    probe_costs(target, ModelDrafter(draft), (2, 3))
+    optimize(make_tiny_model(seed=0).to(torch.bfloat16), role="draft")
+    assert asked == [1] and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_quiet_call_corrects_stored_costs_that_a_busy_moment_made_stale(monkeypatch, tmp_path, machine_load):
+    """The stored draft step is 5x what it costs (timed while the machine was busy, or on other kernels): a quiet call
+    with auto k measures the draft's steps against the target's passes, and the stored table follows; a later
+    process starts from a draft step close to what the call measured. A call on a busy machine corrects nothing."""
+    from hf_spec.sizing.cost_store import load_table, store_key
+
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    target = speculative(make_tiny_model(seed=0))
+    draft = make_noisy_copy(target, seed=2, noise=0.05)
+    true = probe_costs(target, ModelDrafter(draft), tuple(range(2, 9)))
+    key = store_key(target, draft, ModelDrafter(draft), torch.get_num_threads())
+    stale = CostTable(true.target_step_seconds, 5 * true.draft_step_seconds, dict(true.target_block_seconds),
+                      {width: 5 * seconds for width, seconds in true.draft_pass_seconds.items()})
+
+    def call_with(share):
+        costs._PROBED.clear()  # a new process starts from the store
+        costs.save_table(key, stale)
+        machine_load.share = share
+        target.generate(torch.tensor([[3, 1, 4, 1, 5]]), assistant_model=draft, num_assistant_tokens="auto",
+                        max_new_tokens=120, do_sample=False, eos_token_id=None)
+        return load_table(key, CostTable)
+
+    assert call_with(0.9) == stale, "a busy call's timings are no evidence"
+    corrected = call_with(0.0)
+    assert {size: corrected.target_block_seconds[size] for size in stale.target_block_seconds} == \
+        stale.target_block_seconds, "the target's passes are left alone (the call also timed larger ones)"
+    assert corrected.draft_step_seconds < stale.draft_step_seconds / 2
+    assert corrected.draft_pass_seconds[1] == pytest.approx(corrected.draft_step_seconds)
+
+
+def test_stored_costs_are_keyed_by_the_kernels_build(monkeypatch, tmp_path):
+    """hf_spec's version and its C++ kernels' sources are in the key, beside the CPU's flags, torch and threads: a
+    rebuilt kernel is timed again."""
+    from hf_spec.sizing import cost_store
+
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    key = cost_store.store_key(target, draft, ModelDrafter(draft), 1)
+    assert cost_store.store_key(target, draft, ModelDrafter(draft), 2) != key
+    path = cost_store.path_key(target, "draft", [1, 2], 3)
+    monkeypatch.setattr(cost_store, "_kernels", lambda: "another build")
+    assert cost_store.store_key(target, draft, ModelDrafter(draft), 1) != key
+    assert cost_store.path_key(target, "draft", [1, 2], 3) != path
+    monkeypatch.undo()
+    monkeypatch.setattr(cost_store, "_machine", lambda: "another CPU model, or other flags")
+    assert cost_store.store_key(target, draft, ModelDrafter(draft), 1) != key
+
+
+def test_the_load_meter_sees_other_processes():
+    """Measured for real: a busy child process takes a share of the CPUs; a quiet block takes none (to within what
+    the rest of this machine did meanwhile)."""
+    import subprocess
+    import sys
+    import time
+
+    from hf_spec.sizing.load import LoadMeter
+
+    from hf_spec.sizing.load import _cpu_seconds
+
+    busy_loop = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"
+    with LoadMeter() as meter:
+        subprocess.run([sys.executable, "-c", busy_loop], check=True)
+    if meter.others_share is None:
+        pytest.skip("no /proc/stat here")
+    cpus = _cpu_seconds()[1]
+    assert meter.others_share >= 0.5 / cpus, "a process busy for the whole block is at least half a CPU of others"
+    with LoadMeter() as quiet:
+        time.sleep(0.5)
+    assert quiet.others_share < meter.others_share

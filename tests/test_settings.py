@@ -184,3 +184,69 @@ def test_a_watermark_runs_in_the_chain(pair):
     output = target.generate(PROMPT, assistant_model=draft, max_new_tokens=8, do_sample=False,
                              watermarking_config=config)
     assert torch.equal(output, expected)
+
+
+def test_the_whisper_table_covers_whispers_own_generate_arguments():
+    """Every argument Whisper's generate() takes beyond transformers' generic ones (and the inputs, the generic
+    hooks and the model kwargs) is in `WHISPER_SETTINGS`, and the docs print the table."""
+    import inspect
+
+    from transformers import GenerationMixin
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    from hf_spec.settings import WHISPER_SETTINGS, whisper_settings_table
+
+    own = set(inspect.signature(WhisperGenerationMixin.generate).parameters)
+    generic = set(inspect.signature(GenerationMixin.generate).parameters) | {"input_features", "attention_mask",
+                                                                            "return_dict_in_generate"}
+    assert own - generic - {"self", "kwargs"} == set(WHISPER_SETTINGS)
+    assert whisper_settings_table() in (DOCS.parent / "conditioned.md").read_text()
+
+
+WHISPER_CASES = {
+    "return_timestamps": ("short", {"return_timestamps": True}),
+    "task, language, is_multilingual": ("short", {"task": "translate", "language": "fr", "is_multilingual": True}),
+    "prompt_ids, condition_on_prev_tokens, prompt_condition_type": (
+        "long", {"prompt_ids": torch.tensor([7, 8, 9]), "condition_on_prev_tokens": True,
+                 "prompt_condition_type": "all-segments", "return_timestamps": True}),
+    "temperature fallback, thresholds": ("long", {"temperature": (0.0, 0.4), "compression_ratio_threshold": 1.5,
+                                                  "logprob_threshold": -50.0, "no_speech_threshold": 0.6,
+                                                  "return_timestamps": True}),
+    "num_segment_frames, time precision, segments": ("long", {"num_segment_frames": 32, "time_precision": 0.04,
+                                                              "time_precision_features": 0.02,
+                                                              "return_segments": True, "return_timestamps": True}),
+    "force_unique_generate_call, monitor_progress": ("long", {"force_unique_generate_call": True,
+                                                              "monitor_progress": lambda progress: None,
+                                                              "return_timestamps": True}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WHISPER_CASES))
+def test_whispers_honoured_arguments_equal_target_only(name):
+    """Greedy speculation with each draft equals Whisper's own target-only output (the fallback's thresholds are set
+    so that the greedy try stands: its decisions come from the inner calls' scores, which are target-only's)."""
+    import copy
+
+    from hf_spec import without_speculation
+    from hf_spec.evaluation import conditioned
+    from hf_spec.settings import WHISPER_SETTINGS
+
+    case = conditioned.build_case("whisper")
+    conditioned.with_whisper_tasks(case.target)
+    audio, settings = WHISPER_CASES[name]
+    assert set(settings) - {"return_timestamps"} <= {key for key in WHISPER_SETTINGS
+                                                     if WHISPER_SETTINGS[key].kind != REFUSED}
+    inputs = case.inputs if audio == "short" else {
+        "input_features": torch.randn((2, 16, 200), generator=torch.Generator().manual_seed(5)),
+        "attention_mask": torch.ones((2, 200), dtype=torch.long)}
+    target = speculative(copy.deepcopy(case.target))
+
+    def sequences(output):
+        return output if isinstance(output, torch.Tensor) else output["sequences"]
+
+    with without_speculation(target):
+        expected = sequences(target.generate(**inputs, **settings, max_new_tokens=10, do_sample=False))
+    for draft in case.drafts.values():
+        actual = sequences(target.generate(**inputs, **settings, assistant_model=draft, max_new_tokens=10,
+                                           do_sample=False))
+        assert torch.equal(actual, expected)

@@ -20,6 +20,7 @@ from helpers import (
     sample_speculative,
     small_target_model,
 )
+from transformers import AutoModelForCausalLM
 
 import hf_spec
 from hf_spec import speculative
@@ -339,3 +340,67 @@ def test_a_draft_head_refuses_a_draft_scheme(tmp_path):
     DraftHead.from_target(pair.target).save_pretrained(tmp_path / "head")
     with pytest.raises(ValueError, match=r"`quantize_draft` 'int8': `draft` .* is a draft head"):
         hf_spec.load_pair("tiny", str(tmp_path / "head"), quantize_draft="int8")
+
+
+def _all_schemes(monkeypatch) -> None:
+    """w8a8 layers where its kernel does not run take its torch path: the saved form is the same."""
+    from hf_spec.loading import weight_only
+
+    monkeypatch.setattr(weight_only, "check_runs_here", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY_SCHEMES)
+def test_a_saved_quantized_model_loads_back_as_the_same_model(tmp_path, monkeypatch, scheme):
+    """``save_pretrained`` writes each layer's codes and scales in one saved form (quantization method "hf_spec" in
+    its config) and ``from_pretrained`` builds the same layers from it, on this CPU's kernels: the same logits, and
+    speculation on the loaded target equals its own decoding. (It loaded as random weights before.)"""
+    _all_schemes(monkeypatch)
+    model = quantize_weights(make_tiny_model(seed=0, vocab_size=64, head_scale=2.0), scheme)
+    model.save_pretrained(tmp_path / "model")
+    loaded = speculative(AutoModelForCausalLM.from_pretrained(tmp_path / "model"))
+    assert loaded.config.quantization_config.quant_method == "hf_spec"
+    assert {type(module).__name__ for module in loaded.modules()} >= {"WeightOnlyLinear"}
+    assert loaded.hf_spec_weight_only == scheme
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+    draft = make_noisy_copy(make_tiny_model(seed=0, vocab_size=64, head_scale=2.0), seed=1, noise=0.01)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=PAD)
+    assert torch.equal(loaded.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=8,
+                                       pad_token_id=PAD), expected)
+    pickle.loads(pickle.dumps(loaded))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_bf16_quantized_model_round_trips_through_save_and_load(tmp_path, scheme):
+    """In bf16 the round trip is exact too (a model loaded in bf16 is compared with itself saved again: moving a built
+    model with ``.to(bf16)`` also rounds its rotary table, which loading does not)."""
+    model = make_tiny_model(seed=0, vocab_size=64).to(torch.bfloat16)
+    quantize_weights(model, scheme).save_pretrained(tmp_path / "first")
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "first", dtype=torch.bfloat16)
+    first.save_pretrained(tmp_path / "second")
+    second = AutoModelForCausalLM.from_pretrained(tmp_path / "second", dtype=torch.bfloat16)
+    assert first.state_dict().keys() == second.state_dict().keys()
+    assert all(torch.equal(value, second.state_dict()[name]) for name, value in first.state_dict().items())
+    prompt = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        assert torch.equal(first(prompt).logits, second(prompt).logits)
+
+
+def test_the_saved_form_is_the_same_whatever_layout_the_kernels_keep(monkeypatch):
+    """A layer's state dict holds its codes ``[out, in]`` and scales (int4: two codes a byte), never a CPU's tiles,
+    and loads into a layer of either layout."""
+    _all_schemes(monkeypatch)
+    linear = torch.nn.Linear(128, 64)
+    for bits, dynamic in ((8, False), (8, True), (4, False)):
+        layer = WeightOnlyLinear(linear, bits, dynamic=dynamic)
+        state = layer.state_dict()
+        names = {"weight_int8", "scales", "bias"} if bits == 8 else {"weight_int4_codes", "scales_and_zeros", "bias"}
+        assert set(state) == names
+        empty = WeightOnlyLinear.to_load(128, 64, bits, dynamic, True, torch.float32)
+        empty.load_state_dict(state)
+        rows = torch.randn(5, 128)
+        assert torch.equal(empty(rows), layer(rows))
+        again = WeightOnlyLinear(torch.nn.Linear(128, 64), bits, dynamic=dynamic)
+        again.load_state_dict(state)
+        assert torch.equal(again(rows), layer(rows))
