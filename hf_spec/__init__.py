@@ -16,10 +16,10 @@ The acceptance rules' pure functions are in `hf_spec.rejection` and `hf_spec.tra
 from pathlib import Path
 
 from hf_spec.drafting.base import Drafter
-from hf_spec.loading import weight_only_saved  # noqa: F401 (registers the saved format with transformers)
 from hf_spec.drafting.tree import TreeDrafter
 from hf_spec.mixin import SpeculativeGenerationMixin, speculative, without_speculation
 from hf_spec.outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
+from hf_spec.saved_layers import WeightOnlyConfig  # noqa: F401 (registers the saved layers' format with transformers)
 from hf_spec.sizing.draft_length import AutoDraftLength
 from hf_spec.sizing.tree_size import AutoTreeSize
 from hf_spec.stats import SpeculativeStats

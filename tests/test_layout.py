@@ -34,6 +34,11 @@ ALGORITHM = sorted(path for path in [*ROOT.glob("*.py"), *(ROOT / "drafting").gl
 #: ``prepare_pair`` (not run at import; `test_importing_hf_spec_loads_the_algorithm_only` checks).
 FACADE, LAZY_EXPORTS = ROOT / "__init__.py", {"hf_spec.heads", "hf_spec.heads.DraftHead", "hf_spec.loading",
                                                "hf_spec.loading.pair"}
+#: And the saved format's loader, which builds the loading tool's layers when transformers loads a model saved on them
+#: (run by ``from_pretrained``, never at import).
+LAZY_IMPORTS = {FACADE: LAZY_EXPORTS, ROOT / "saved_layers.py": {
+    "hf_spec.loading.gguf_weights", "hf_spec.loading.gguf_weights.TYPES", "hf_spec.loading.gguf_weights.GGUFLinear",
+    "hf_spec.loading.weight_only", "hf_spec.loading.weight_only.WeightOnlyLinear"}}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -45,7 +50,7 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names - LAZY_EXPORTS if path == FACADE else names
+    return names - LAZY_IMPORTS.get(path, set())
 
 
 def package_of(module: str) -> str | None:

@@ -500,7 +500,7 @@ def test_stored_costs_are_keyed_by_the_kernels_build(monkeypatch, tmp_path):
     assert cost_store.store_key(target, draft, ModelDrafter(draft), 1) != key
 
 
-def test_the_load_meter_sees_other_processes():
+def test_the_load_meter_sees_other_processes(monkeypatch):
     """Measured for real: a busy child process takes a share of the CPUs; a quiet block takes none (to within what
     the rest of this machine did meanwhile)."""
     import subprocess
@@ -510,6 +510,8 @@ def test_the_load_meter_sees_other_processes():
     from hf_spec.sizing.load import LoadMeter
 
     from hf_spec.sizing.load import _cpu_seconds
+
+    monkeypatch.delenv("HF_SPEC_LOAD_METER")
 
     busy_loop = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"
     with LoadMeter() as meter:

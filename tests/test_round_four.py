@@ -125,7 +125,7 @@ def test_a_chain_rule_of_your_own_that_returns_what_the_loop_cannot_use_is_named
 
 @pytest.mark.parametrize("path, next_id, message", [
     ([0, 5, 99], torch.tensor(3), r"returned the path \[0, 5, 99\], which is no path of the tree"),
-    ([0, 0], torch.tensor(3), r"returned the path \[0, 0\], which is no path of the tree from its root \(node 0 after 0"),
+    ([0, 0], torch.tensor(3), r"returned the path \[0, 0\], which is no path .* from its root \(node 0 after 0"),
     ([], torch.tensor(64), r"returned the next id tensor\(64\)"),
     ([], 3, r"returned the next id 3"),
 ])

@@ -186,10 +186,10 @@ def _unsupported(model: PreTrainedModel) -> str:
         return f"the model is on {model.device}, not the CPU"
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "the model is dispatched over several devices"
-    if getattr(model.config, "quantization_config", None) is not None:
-        return "the model is quantized"
     if getattr(model, "hf_spec_weight_only", None) is not None:
         return f"its weights are {model.hf_spec_weight_only}, on weight-only kernels"
+    if getattr(model.config, "quantization_config", None) is not None:
+        return "the model is quantized"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"{model.dtype} weights"
     if not torch.backends.mkldnn.is_available():

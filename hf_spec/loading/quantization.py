@@ -33,18 +33,20 @@ from __future__ import annotations
 import copy
 import functools
 import tempfile
+from pathlib import Path
 
 import torch
 from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
 from hf_spec.compat import modules_kept_in_full_precision
 from hf_spec.extras import require_extra
+from hf_spec.loading.gguf_weights import GGUF
 from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, quantize_weights
 
 #: ``8bit``: LLM.int8 weights; ``nf4`` / ``fp4``: 4-bit weights of that data type (blocks of 64, fp32 scales);
 #: ``int8`` / ``int4``: weight-only layers on torch's own CPU kernels (`hf_spec.loading.weight_only`).
 BITSANDBYTES_SCHEMES = ("8bit", "nf4", "fp4")
-SCHEMES = (*BITSANDBYTES_SCHEMES, *WEIGHT_ONLY_SCHEMES)
+SCHEMES = (*BITSANDBYTES_SCHEMES, *WEIGHT_ONLY_SCHEMES, GGUF)
 
 #: bitsandbytes' 4-bit block size (its default, which `quantization_config` keeps).
 BLOCK_SIZE = 64
@@ -57,6 +59,9 @@ def quantization_config(scheme: str, compute_dtype: torch.dtype = torch.float32)
     if scheme in WEIGHT_ONLY_SCHEMES:
         raise ValueError(f"{scheme!r} is quantized by hf_spec on torch's kernels, not by bitsandbytes: "
                          "`hf_spec.loading.weight_only.quantize_weights` (or `quantized_copy`).")
+    if scheme == GGUF:
+        raise ValueError("'gguf' takes a model's weights from its GGUF file, not from bitsandbytes: "
+                         "`hf_spec.loading.gguf_weights.adopt_gguf` (or `load_pair(quantize='gguf')`).")
     if scheme in SCHEMES:
         require_extra("quantization", f"Quantizing with {scheme!r}")
     if scheme == "8bit":
@@ -79,6 +84,8 @@ def quantization_of(model: PreTrainedModel) -> str | None:
     if config is None:
         return getattr(model, "hf_spec_weight_only", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if config.get("quant_method") == "hf_spec":  # hf_spec's own weight-only layers (`hf_spec.saved_layers`)
+        return str(config.get("scheme"))
     if config.get("load_in_8bit"):
         return "8bit"
     if config.get("load_in_4bit"):
@@ -93,12 +100,32 @@ def quantized_copy(model: PreTrainedModel, scheme: str, compute_dtype: torch.dty
     weight-only scheme (``"int8"``, ``"int4"``) quantizes a deep copy in place."""
     if scheme in WEIGHT_ONLY_SCHEMES:
         return quantize_weights(copy.deepcopy(model), scheme)
+    if scheme == GGUF:
+        return gguf_copy(model)
     quantization = quantization_config(scheme, compute_dtype)  # checks `scheme` before any work
     check_quantizable(model, scheme, from_pretrained_kwargs.get("device_map", "auto"))
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         kwargs = {"device_map": "auto", "dtype": compute_dtype, **from_pretrained_kwargs}
         return type(model).from_pretrained(folder, quantization_config=quantization, **kwargs).eval()
+
+
+def gguf_copy(model: PreTrainedModel, kind: str = "Q4_0") -> PreTrainedModel:
+    """A copy of an in-memory Llama or Qwen2 ``model`` written to a GGUF file (its linear layers in ``kind``,
+    `hf_spec.loading.gguf_writer`) and loaded back on that file's blocks, as a GGUF checkpoint would be."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_spec.compat import drop_gguf_quantizer
+    from hf_spec.loading.gguf_writer import write_gguf
+    from hf_spec.loading.gguf_weights import adopt_gguf
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_gguf(model, Path(folder) / "model.gguf", kind)
+        copied = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=model.dtype).eval()
+        drop_gguf_quantizer(copied)
+        copied.generation_config = copy.deepcopy(model.generation_config)
+        adopt_gguf(copied, Path(folder) / "model.gguf")
+    return copied
 
 
 @functools.cache
@@ -121,7 +148,7 @@ def check_quantizable(model: PreTrainedModel | PretrainedConfig, scheme: str, de
     Raises:
         ValueError: naming the first layer that does not fit, its size, and what to do.
     """
-    if scheme in WEIGHT_ONLY_SCHEMES:
+    if scheme in (*WEIGHT_ONLY_SCHEMES, GGUF):
         return
     quantization_config(scheme)  # checks the name
     if scheme == "8bit" or not _runs_on_cpu(device_map) or not packs_4bit_for_cpu():

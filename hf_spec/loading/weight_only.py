@@ -49,9 +49,10 @@ from hf_spec.loading.packed import deoptimize
 WEIGHT_ONLY_SCHEMES = ("int8", "int4", "w8a8")
 #: Inputs per int4 group (a scale and a zero point each): torch's CPU kernel takes 32, 64, 128 or 256.
 INT4_GROUP = 32
-#: From this many rows on (a prompt's pass), an int8 layer multiplies by its int8 weight cast to the activations' dtype
-#: and scales the result: the int8 kernels are made for a few rows, and a prompt's pass of many rows runs faster
-#: through the dense matmul (docs/quantization.md).
+#: From this many tokens per sequence on (a prompt's pass), an int8 layer multiplies by its int8 weight cast to the
+#: activations' dtype and scales the result: the int8 kernels are made for a few rows, and a prompt's pass of many
+#: rows runs faster through the dense matmul (docs/quantization.md). Counted per sequence, not over the batch, so that
+#: a step and a verify block of any batch take the same (row-invariant) kernel: only prompts change path.
 DENSE_ROWS = 16
 #: The activation dtypes torch's int8 and int4 kernels take; others (float64) are computed in float32.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -219,7 +220,7 @@ class WeightOnlyLinear(nn.Module):
             out = dynamic_kernel().int8_dynamic_mm(taken.contiguous(), self.weight_vnni, scales).to(rows.dtype)
         elif self.dynamic:
             out = dynamic_int8_mm(rows, self.weight_int8, scales).to(rows.dtype)
-        elif self.bits == 8 and rows.shape[0] >= DENSE_ROWS:
+        elif self.bits == 8 and (x.shape[-2] if x.dim() > 2 else rows.shape[0]) >= DENSE_ROWS:
             out = self._dense_int8(rows)
         elif self.bits == 8 and self.takes_rows_kernel and rows.dtype == torch.bfloat16 and (kernel := rows_kernel()):
             out = kernel.int8_rows_mm(rows.contiguous(), self.weight_tiles, self.scales.to(rows.dtype))
@@ -261,6 +262,11 @@ class WeightOnlyLinear(nn.Module):
 
     def _buffer(self) -> torch.Tensor:
         return self.scales if self.bits == 8 else self.weight_int4
+
+    @property
+    def saved_kind(self) -> int:
+        """What `hf_spec.saved_layers` records of this layer: its bits."""
+        return self.bits
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
@@ -325,7 +331,7 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
     for parent, name, child, bits in plan:
         setattr(parent, name, WeightOnlyLinear(child, bits, dynamic=scheme == "w8a8"))
     model.hf_spec_weight_only = scheme
-    from hf_spec.loading.weight_only_saved import mark_quantized  # it imports this module
+    from hf_spec.saved_layers import mark_quantized  # it imports this module
 
     mark_quantized(model, scheme)
     return model
@@ -355,7 +361,7 @@ def adopt_torchao(model: nn.Module) -> int:
         setattr(parent, name, WeightOnlyLinear(child, 8, int8=int8))
     if plan:
         model.hf_spec_weight_only = "int8"
-        from hf_spec.loading.weight_only_saved import mark_quantized
+        from hf_spec.saved_layers import mark_quantized
 
         mark_quantized(model, "int8")
     return len(plan)
