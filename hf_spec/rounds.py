@@ -276,11 +276,9 @@ class Rounds(abc.ABC):
         draft's step against the target's pass off the probe's costs, the stored costs follow (`correct_costs`: a
         store made while the machine was busy does not outlive its truth). Only the ratio is corrected: the call's
         context length moves both models' timings alike."""
-        observed = self.sizer.observed_ratios()
-        if observed is None or not is_quiet:
-            return
-        target_ratio, draft_ratio = observed
-        correct_costs(target, self.drafter, (1.0, draft_ratio / target_ratio))
+        observed = self.sizer.observed_cost_ratio()
+        if observed is not None and is_quiet:
+            correct_costs(target, self.drafter, (1.0, observed))
 
     def probe_widths(self) -> tuple[int, ...]:
         """The draft passes the probe times: the step, and the 2-token catch-up where the drafter reports it."""

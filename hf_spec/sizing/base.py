@@ -31,8 +31,8 @@ class Sizer(abc.ABC):
         """Whether the cost probe should seed it before the first round (an automatic sizer without costs)."""
         return False
 
-    def observed_ratios(self) -> tuple[float, float] | None:
-        """The call's timed passes against the probe's costs, where it learnt from both (automatic sizers)."""
+    def observed_cost_ratio(self) -> float | None:
+        """What the call's timings say of the probe's draft step against its target passes (automatic sizers)."""
         return None
 
     @abc.abstractmethod

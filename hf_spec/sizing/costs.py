@@ -191,7 +191,7 @@ def keep_unless_loaded(stored: str, table: CostTable, load: LoadMeter) -> None:
 
 def correct_costs(target: PreTrainedModel, drafter, observed: tuple[float, float]) -> CostTable | None:
     """Bring the stored costs of ``target`` and ``drafter`` to what a call observed, where they disagree: ``observed``
-    is the call's median target pass and draft step over the table's figures (`OnlineSizer.observed_ratios`), from a
+    is the call's target pass and draft step over the table's figures (`OnlineSizer.observed_cost_ratio`), from a
     call during which the machine was not loaded. A ratio within `AGREEMENT` of 1 changes nothing; otherwise the
     target's passes, or the draft's, are scaled by it, in the process and on disk. Returns the new table, if any."""
     target_ratio, draft_ratio = observed

@@ -20,7 +20,7 @@ import logging
 
 from hf_spec.checks import check_int
 from hf_spec.sizing.costs import CostTable
-from hf_spec.sizing.estimates import DecayedMean, PassCosts, PositionalAcceptance
+from hf_spec.sizing.estimates import OUTLIER_RATIO, SHIFT_EVIDENCE, DecayedMean, PassCosts, PositionalAcceptance
 
 #: The longest wait between exploration rounds once explorations keep failing.
 MAX_EXPLORE_EVERY = 128
@@ -38,7 +38,7 @@ HOPE_ERRORS = 1.0
 #: drafted (rounds that stop short never observe it, and its estimate leans on the pooled rate).
 REACH_ERRORS = 0.5
 
-#: Timed rounds of each model a call needs before its timings may correct the stored costs.
+#: Timed rounds that drafted after which a call's timings may correct the stored costs whichever way they lie.
 OBSERVED_ROUNDS = 8
 
 logger = logging.getLogger(__name__)
@@ -143,8 +143,8 @@ class OnlineSizer:
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 (once the call's timings agree)
         self.has_costs = False
         self.chosen: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)  # tokens drafted, last rounds
-        # this call's timings over the probe's figures, per round: target passes, and draft steps (`observed_ratios`)
-        self.observed: dict[str, list[float]] = {"target": [], "draft": []}
+        # per timed round that drafted: (its draft step / the probe's) / (its target pass / the probe's)
+        self.observed_cost_ratios: list[float] = []
         self.seeded_draft_step = 0.0
 
     @property
@@ -160,7 +160,7 @@ class OnlineSizer:
         self.costs.seed(costs, weight, catch_up)
         self.has_costs = True
         self.seeded_draft_step = costs.draft_step_seconds
-        self.observed = {"target": [], "draft": []}
+        self.observed_cost_ratios = []
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0
         if self.is_hopeless:
@@ -195,13 +195,17 @@ class OnlineSizer:
         blocks = {size: self.block_seconds(size) for size in sizes}
         return CostTable(self.block_seconds(1), self.costs.draft_step.get(0.0), blocks, {}).best_possible_speedup()
 
-    def observed_ratios(self) -> tuple[float, float] | None:
-        """This call's median target pass and draft step over the probe's figures, ``(target, draft)``, where it timed
-        `OBSERVED_ROUNDS` rounds of each (the probe's costs are then checked against them: `correct_costs`)."""
-        target, draft = (sorted(self.observed[name]) for name in ("target", "draft"))
-        if len(target) < OBSERVED_ROUNDS or len(draft) < OBSERVED_ROUNDS:
-            return None
-        return target[len(target) // 2], draft[len(draft) // 2]
+    def observed_cost_ratio(self) -> float | None:
+        """What this call's own timings say of the probe's draft step against its target passes: the median, over the
+        rounds that drafted, of (draft step / the probe's) / (target pass / the probe's), where the evidence is firm
+        (`OBSERVED_ROUNDS` rounds, or `SHIFT_EVIDENCE` that all lie beyond `OUTLIER_RATIO` on one side, as a seed
+        gives way within a call); else ``None``. The stored costs follow it (`hf_spec.sizing.costs.correct_costs`)."""
+        ratios = sorted(self.observed_cost_ratios)
+        is_one_sided = all(ratio > OUTLIER_RATIO for ratio in ratios) or all(
+            ratio < 1 / OUTLIER_RATIO for ratio in ratios)
+        if len(ratios) >= OBSERVED_ROUNDS or (len(ratios) >= SHIFT_EVIDENCE and is_one_sided):
+            return ratios[len(ratios) // 2]
+        return None
 
     def _chose(self, num_drafted: int) -> None:
         self.exploration.chose(num_drafted)
@@ -216,13 +220,11 @@ class OnlineSizer:
         is_drafting = num_block_tokens > 1
         if verify_seconds is not None:
             speed = self.costs.round_speed(num_block_tokens, verify_seconds)
-            if self.costs.reference:
-                self.observed["target"].append(speed)
             if num_model_steps > 0:
                 step_seconds = draft_seconds / (num_model_steps + catch_up_steps)
                 draft_step.add_timing(step_seconds, scale=speed)
-                if draft_step is self.costs.draft_step and self.seeded_draft_step > 0:
-                    self.observed["draft"].append(step_seconds / self.seeded_draft_step)
+                if draft_step is self.costs.draft_step and self.seeded_draft_step > 0 and self.costs.reference:
+                    self.observed_cost_ratios.append(step_seconds / self.seeded_draft_step / speed)
             self.costs.add_block(num_block_tokens, verify_seconds)
             if self.is_hopeless and self.costs.draft_step.seeded is None:
                 self.is_hopeless = self._best_possible_speedup() < 1.0  # the step judged: hopeless if it held
