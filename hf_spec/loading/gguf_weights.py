@@ -5,8 +5,8 @@ transformers' ``from_pretrained(gguf_file=...)`` dequantizes every weight to flo
 float32 or 3 GB of bf16, all read at every step). `adopt_gguf` puts each linear layer whose weight the file holds in a
 supported type back on the file's bytes (`GGUFLinear`): ggml's blocks, one output row after another, as in the file
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied by ``kernels/gguf_mm.cpp`` with the activations quantized
-on the fly to int8 per group of 32 inputs (each row from itself: a verify pass computes each position as a one-token
-step would). Which file tensor is which layer comes from transformers' own GGUF name map (and its row order for
+on the fly to int8 per block (256 inputs for the K types, 32 for the others, as llama.cpp does; each row from itself:
+a verify pass computes each position as a one-token step would). Which file tensor is which layer comes from transformers' own GGUF name map (and its row order for
 Llama's q and k); every layer is checked against the model's float weights (two rows dequantized by the ``gguf``
 package must equal them exactly), and a layer that does not match, or whose type the kernel does not take, keeps its
 float weight.
@@ -131,6 +131,24 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.type_name}"
+
+
+def activation_block(ggml_type: int) -> int:
+    """Inputs per activation scale when multiplying by weights of ``ggml_type``: a block of 256 for the K types (as
+    ggml's Q8_K), of 32 otherwise (as its Q8_0)."""
+    return 256 if TYPES[ggml_type][1] == 256 else 32
+
+
+def reference_mm(rows: torch.Tensor, layer: GGUFLinear) -> torch.Tensor:
+    """What the kernel computes for ``rows`` ``[M, K]``, in float64 from the file's dequantized weights (the ``gguf``
+    package) and the rows quantized as the kernel quantizes them (per `activation_block`, round half to even): the
+    tests' reference. No bias."""
+    block = activation_block(layer.ggml_type)
+    groups = rows.double().view(rows.shape[0], -1, block)  # [M, B, block]
+    scales = groups.abs().amax(dim=-1) / 127  # [M, B]
+    codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
+    weights = layer.dequantized().double().view(layer.out_features, -1, block)  # [N, B, block]
+    return torch.einsum("mbi,nbi,mb->mn", codes, weights, scales)
 
 
 def adopt_gguf(model: nn.Module, gguf_file: str | Path) -> dict[str, str]:

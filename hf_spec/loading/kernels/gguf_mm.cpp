@@ -2,12 +2,13 @@
 // quantized on the fly to int8 per group of 32 inputs, on AVX2: out[m, n] = sum_k x[m, k] * w[n, k].
 //
 // Each block of a row's weights is decoded once per pass into 32-byte vectors of unsigned codes (one vector per group
-// of 32 inputs) with the group's integer scales, float scale and float offset, exactly as the file defines the
-// weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: w = d * code (+ m); Q4_K, Q5_K: w = d * sc * code - dmin * m per 32;
-// Q6_K: w = d * sc * (code - 32) per 16), then multiplied with every row: vpmaddubsw of codes and a row's int8
-// activations, vpmaddwd with the integer scales, so each group's sum is an exact int32, converted and scaled in
-// float32, groups in order, then the offsets' terms from the row's group sums. A row's activations are quantized
-// from that row alone (scale = max |x| / 127 of the group, round to nearest even, as hf_spec's w8a8), and a row's
+// of 32 inputs) with their integer scales, exactly as the file defines the weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0:
+// w = d * code (+ m) per 32; Q4_K, Q5_K: w = d * sc * code - dmin * m per 32 under a block of 256; Q6_K:
+// w = d * sc * (code - 32) per 16), then multiplied with every row: vpmaddubsw of codes and a row's int8
+// activations, vpmaddwd with the integer scales. A row's activations are quantized per block of the weight's type
+// (32 inputs, or 256 for the K types, as ggml's Q8_0 and Q8_K): scale = max |x| / 127 of the block, round to nearest
+// even, from that row alone. So a block's sum is an exact int32 (the K types' 8 sub-blocks added as integers),
+// converted and scaled in float32 once, blocks in order, then the offsets' terms from the row's sums per 32. A row's
 // sums run in the same order whatever the rows beside it: a verify pass computes each position as a one-token step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -37,8 +39,9 @@ struct Decoded {
   __m256i codes[G];
   __m256i sign[G];
   __m256i scales[G];
-  float scale[G];
-  float offset[G];
+  float scale[G];  // the K types: [0], for the whole block
+  float offset[G];  // the 32-input types: per weight; the K types: [0], times each sub-block's integer min
+  __m256i mins;  // the K types' integer mins per 32, [8] int32
 };
 
 inline __m256i halves(int16_t low, int16_t high) {
@@ -62,15 +65,21 @@ inline __m256i nibbles(const uint8_t* q) {
   return _mm256_setr_m128i(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
 }
 
-// Q4_K and Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
-inline void scale_min(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K and Q5_K's 6-bit scales and mins of the 8 sub-blocks (ggml's get_scale_min_k4, on 32-bit words as its AVX2
+// code does): the scales as vpmaddwd operands, the mins as [8] int32.
+inline void scales_mins(const uint8_t* q, __m256i* scales, __m256i& mins) {
+  uint32_t u[4];
+  std::memcpy(u, q, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  const uint32_t low_mins = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  u[2] = low_mins;
+  u[0] &= kLow6;
+  uint8_t bytes[16];  // scales 0..7, then mins 0..7
+  std::memcpy(bytes, u, 16);
+  for (int j = 0; j < 8; ++j) scales[j] = _mm256_set1_epi16(bytes[j]);
+  mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
 }
 
 struct Q4_0 {
@@ -143,13 +152,9 @@ struct Q4_K {
       w.codes[2 * j] = _mm256_and_si256(bytes, mask);
       w.codes[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
     }
-    for (int j = 0; j < 8; ++j) {
-      uint8_t sc, m;
-      scale_min(j, scales, sc, m);
-      w.scales[j] = _mm256_set1_epi16(sc);
-      w.scale[j] = d;
-      w.offset[j] = -dmin * m;
-    }
+    scales_mins(scales, w.scales, w.mins);
+    w.scale[0] = d;
+    w.offset[0] = -dmin;
   }
 };
 
@@ -170,13 +175,9 @@ struct Q5_K {
       w.codes[2 * j] = _mm256_or_si256(_mm256_and_si256(bytes, mask), h1);
       w.codes[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), h2);
     }
-    for (int j = 0; j < 8; ++j) {
-      uint8_t sc, m;
-      scale_min(j, scales, sc, m);
-      w.scales[j] = _mm256_set1_epi16(sc);
-      w.scale[j] = d;
-      w.offset[j] = -dmin * m;
-    }
+    scales_mins(scales, w.scales, w.mins);
+    w.scale[0] = d;
+    w.offset[0] = -dmin;
   }
 };
 
@@ -202,35 +203,37 @@ struct Q6_K {
       w.codes[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, mask), high[1]);
       w.codes[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), high[2]);
       w.codes[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask), high[3]);
-      for (int g = 0; g < 4; ++g) {
-        w.scales[4 * h + g] = halves(sc[8 * h + 2 * g], sc[8 * h + 2 * g + 1]);
-        w.scale[4 * h + g] = d;
-        w.offset[4 * h + g] = 0.f;
-      }
+      for (int g = 0; g < 4; ++g) w.scales[4 * h + g] = halves(sc[8 * h + 2 * g], sc[8 * h + 2 * g + 1]);
     }
+    w.mins = _mm256_setzero_si256();
+    w.scale[0] = d;
+    w.offset[0] = 0.f;
   }
 };
 
-// Row codes q [K] int8, scales s [K / 32], sums c [K / 32] (each group's code sum); from x [K] (read as float32).
+// Row codes q [K] int8, scales s [K / B] (one per block of B inputs: 32 or 256), sums c [K / 32] (each group's code
+// sum); from x [K] (read as float32).
 template <typename T>
-inline void quantize_row(const T* x, int64_t K, int8_t* q, float* s, int32_t* c) {
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    float xg[kGroup];
-    for (int64_t i = 0; i < kGroup; ++i) xg[i] = static_cast<float>(x[g * kGroup + i]);
+inline void quantize_row(const T* x, int64_t K, int64_t B, int8_t* q, float* s, int32_t* c) {
+  std::vector<float> xb(B);
+  for (int64_t b = 0; b < K / B; ++b) {
+    for (int64_t i = 0; i < B; ++i) xb[i] = static_cast<float>(x[b * B + i]);
     float top = 0.f;
     bool is_nan = false;  // std::max drops a NaN: keep it, so that the scale carries it to the output
-    for (int64_t i = 0; i < kGroup; ++i) {
-      top = std::max(top, std::abs(xg[i]));
-      is_nan = is_nan || std::isnan(xg[i]);
+    for (int64_t i = 0; i < B; ++i) {
+      top = std::max(top, std::abs(xb[i]));
+      is_nan = is_nan || std::isnan(xb[i]);
     }
     const float scale = is_nan ? std::numeric_limits<float>::quiet_NaN() : top / 127.f;
-    int32_t total = 0;
-    for (int64_t i = 0; i < kGroup; ++i) {
-      const float code = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(xg[i] / scale))) : 0.f;
-      q[g * kGroup + i] = static_cast<int8_t>(code);
-      total += q[g * kGroup + i];
+    for (int64_t i = 0; i < B; ++i) {
+      const float code = scale > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] / scale))) : 0.f;
+      q[b * B + i] = static_cast<int8_t>(code);
     }
-    s[g] = scale;
+    s[b] = scale;
+  }
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    int32_t total = 0;
+    for (int64_t i = 0; i < kGroup; ++i) total += q[g * kGroup + i];
     c[g] = total;
   }
 }
@@ -244,59 +247,76 @@ inline float sum8(__m256 v) {
 inline void store(float* out, float value) { *out = value; }
 inline void store(at::BFloat16* out, float value) { *out = at::BFloat16(value); }
 
-// out[m, n] for m < rows, the weights of output row n (`row`, K / (32 * kGroups) blocks), the rows' codes q [rows, K],
-// scales s [rows, G] and sums c [rows, G].
-template <typename Q, typename T>
-inline void output(const uint8_t* row, int64_t K, int rows, const int8_t* q, const float* s, const int32_t* c, T* out,
+// out[m, n] for m < MB, the weights of output row n (`row`, K / (32 * kGroups) blocks), the rows' codes q [MB, K],
+// scales s [MB, K / block] and sums c [MB, K / 32]. A group's weights are applied to every row in turn, each row's
+// block sum held in its own register.
+template <typename Q, typename T, int MB>
+inline void output(const uint8_t* row, int64_t K, const int8_t* q, const float* s, const int32_t* c, T* out,
                    int64_t ldo) {
   constexpr int kG = Q::kGroups;
   const int64_t G = K / kGroup, blocks = G / kG;
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(Q::kOffset));
-  __m256 sums[kRowBlock];
-  float offsets[kRowBlock];
-  for (int m = 0; m < rows; ++m) {
+  __m256 sums[MB];
+  float offsets[MB];
+  for (int m = 0; m < MB; ++m) {
     sums[m] = _mm256_setzero_ps();
     offsets[m] = 0.f;
   }
   Decoded<kG> w;
   for (int64_t b = 0; b < blocks; ++b) {
     Q::decode(row + b * Q::kBytes, w);
-    for (int m = 0; m < rows; ++m) {
-      for (int g = 0; g < kG; ++g) {
-        const int64_t group = b * kG + g;
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + group * kGroup));
-        __m256i products = Q::kSigned ? _mm256_maddubs_epi16(w.codes[g], _mm256_sign_epi8(a, w.sign[g]))
-                                      : _mm256_maddubs_epi16(w.codes[g], a);
+    __m256i exact[MB];  // [8] int32 per row: the block's sum, exact
+    for (int m = 0; m < MB; ++m) exact[m] = _mm256_setzero_si256();
+    for (int g = 0; g < kG; ++g) {
+      const __m256i codes = w.codes[g], scales = w.scales[g];
+      for (int m = 0; m < MB; ++m) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + (b * kG + g) * kGroup));
+        __m256i products = Q::kSigned ? _mm256_maddubs_epi16(codes, _mm256_sign_epi8(a, w.sign[g]))
+                                      : _mm256_maddubs_epi16(codes, a);
         if (Q::kOffset) products = _mm256_sub_epi16(products, _mm256_maddubs_epi16(offset, a));
-        const __m256i exact = _mm256_madd_epi16(products, w.scales[g]);  // [8] int32
-        const float scale = s[m * G + group];
-        sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(w.scale[g] * scale), sums[m]);
-        offsets[m] += w.offset[g] * scale * static_cast<float>(c[m * G + group]);
+        exact[m] = _mm256_add_epi32(exact[m], _mm256_madd_epi16(products, scales));
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const float scale = s[m * blocks + b];  // the row's activation scale of this block
+      sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[m]), _mm256_set1_ps(w.scale[0] * scale), sums[m]);
+      if (kG == 1) {
+        offsets[m] += w.offset[0] * scale * static_cast<float>(c[m * G + b]);
+      } else if (w.offset[0] != 0.f) {  // the mins' term: each sub-block's min times the row's code sum there
+        const __m256i code_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + m * G + b * kG));
+        sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(w.mins, code_sums)),
+                                  _mm256_set1_ps(w.offset[0] * scale), sums[m]);
       }
     }
   }
-  for (int m = 0; m < rows; ++m) store(out + m * ldo, sum8(sums[m]) + offsets[m]);
+  for (int m = 0; m < MB; ++m) store(out + m * ldo, sum8(sums[m]) + offsets[m]);
 }
 
 template <typename Q, typename T>
+using Output = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, T*, int64_t);
+template <typename Q, typename T>
+const Output<Q, T> kOutputs[kRowBlock] = {output<Q, T, 1>, output<Q, T, 2>, output<Q, T, 3>, output<Q, T, 4>,
+                                          output<Q, T, 5>, output<Q, T, 6>, output<Q, T, 7>, output<Q, T, 8>};
+
+template <typename Q, typename T>
 void gguf_mm_impl(const T* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, T* op) {
-  const int64_t G = K / kGroup, row_bytes = K / (kGroup * Q::kGroups) * Q::kBytes;
+  const int64_t B = kGroup * Q::kGroups, G = K / kGroup, blocks = K / B, row_bytes = blocks * Q::kBytes;
   auto q = torch::empty({M, K}, torch::kChar);
-  auto s = torch::empty({M, G}, torch::kFloat);
+  auto s = torch::empty({M, blocks}, torch::kFloat);
   auto c = torch::empty({M, G}, torch::kInt);
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = s.data_ptr<float>();
   int32_t* cp = c.data_ptr<int32_t>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, qp + m * K, sp + m * G, cp + m * G);
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, B, qp + m * K, sp + m * blocks, cp + m * G);
   });
   at::parallel_for(0, (N + kRowTile - 1) / kRowTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n1 = std::min(N, (t + 1) * kRowTile);
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowBlock, M - m0));
+        const auto multiply = kOutputs<Q, T>[std::min<int64_t>(kRowBlock, M - m0) - 1];
         for (int64_t n = t * kRowTile; n < n1; ++n) {
-          output<Q, T>(wp + n * row_bytes, K, rows, qp + m0 * K, sp + m0 * G, cp + m0 * G, op + m0 * N + n, N);
+          multiply(wp + n * row_bytes, K, qp + m0 * K, sp + m0 * blocks, cp + m0 * G, op + m0 * N + n, N);
         }
       }
     }
@@ -358,5 +378,5 @@ torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_mm", &gguf_mm, "GGUF weight blocks x rows quantized to int8 per group of 32 inputs (AVX2)");
+  m.def("gguf_mm", &gguf_mm, "GGUF weight blocks x rows quantized to int8 per block (AVX2)");
 }
