@@ -6,10 +6,10 @@ float32 or 3 GB of bf16, all read at every step). `adopt_gguf` puts each linear 
 supported type back on the file's bytes (`GGUFLinear`): ggml's blocks, one output row after another, as in the file
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied by ``kernels/gguf_mm.cpp`` with the activations quantized
 on the fly to int8 per block (256 inputs for the K types, 32 for the others, as llama.cpp does; each row from itself:
-a verify pass computes each position as a one-token step would). Which file tensor is which layer comes from transformers' own GGUF name map (and its row order for
-Llama's q and k); every layer is checked against the model's float weights (two rows dequantized by the ``gguf``
-package must equal them exactly), and a layer that does not match, or whose type the kernel does not take, keeps its
-float weight.
+a verify pass computes each position as a one-token step would). Which file tensor is which layer comes from
+transformers' own GGUF name map (and its row order for Llama's q and k); every layer is checked against the model's
+float weights (two rows dequantized by the ``gguf`` package must equal them exactly), and a layer that does not match,
+or whose type the kernel does not take, keeps its float weight.
 
 The kernel runs on x86 CPUs with AVX2, FMA and F16C (built on first use by torch's extension loader and cached per
 machine, like `hf_spec.loading.int8_rows`); elsewhere (`why_not`) models keep their float weights, as before.
