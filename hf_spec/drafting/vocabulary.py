@@ -17,6 +17,7 @@ gives the unpruned draft back; prune it again after loading.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -38,7 +39,9 @@ class PrunedOutputLayer(nn.Module):
         super().__init__()
         self.vocab_size = linear.out_features
         self.register_buffer("kept_ids", kept_ids.to(torch.long), persistent=False)  # [N]
-        if isinstance(linear, nn.Linear):
+        if hasattr(linear, "select_rows"):  # a layer of its own weight format (a GGUF file's blocks)
+            self.kept = linear.select_rows(self.kept_ids)
+        elif isinstance(linear, nn.Linear):
             self.kept = nn.Linear(linear.in_features, len(kept_ids), bias=linear.bias is not None,
                                   dtype=linear.weight.dtype, device=linear.weight.device)
             with torch.no_grad():
@@ -65,7 +68,7 @@ class PrunedOutputLayer(nn.Module):
     def _dense_state(module, state_dict, prefix, local_metadata) -> None:
         """State-dict hook: the layer is saved as the full, dense one (``weight``, ``bias``), so a pruned draft's
         checkpoint is an ordinary one; the kept rows are derived from it."""
-        for name in ("weight", "bias"):
+        for name in ("weight", "bias", "blocks"):
             full = state_dict.pop(prefix + "full." + name, None)
             state_dict.pop(prefix + "kept." + name, None)
             if full is not None:
@@ -73,8 +76,9 @@ class PrunedOutputLayer(nn.Module):
 
     @staticmethod
     def _from_dense(module, state_dict, prefix, *args) -> None:
-        """Load hook: a dense layer's ``weight`` (and ``bias``) fills the full layer and the kept rows."""
-        for name in ("weight", "bias"):
+        """Load hook: a dense layer's ``weight`` (and ``bias``; a GGUF layer's ``blocks``) fills the full layer and
+        the kept rows."""
+        for name in ("weight", "bias", "blocks"):
             value = state_dict.pop(prefix + name, None)
             if value is not None:
                 state_dict[prefix + "full." + name] = value
@@ -93,7 +97,7 @@ def prune_vocabulary(draft: PreTrainedModel, kept_ids: torch.Tensor | Iterable[i
     """
     restore_vocabulary(draft)
     output = draft.get_output_embeddings()
-    if type(output) is not nn.Linear:
+    if type(output) is not nn.Linear and not hasattr(output, "select_rows"):
         packed = type(output).__name__ == "PackedLinear"  # `hf_spec.loading.packed`, which imports this module
         raise ValueError(f"`assistant_model` {type(draft).__name__} has an output layer of type "
                          f"{type(output).__name__}; a pruned vocabulary needs a plain nn.Linear"
@@ -104,7 +108,8 @@ def prune_vocabulary(draft: PreTrainedModel, kept_ids: torch.Tensor | Iterable[i
             raise ValueError(f"`assistant_model` scales its logits ({attribute}); a pruned vocabulary is not "
                              "supported for it.")
     ids = check_kept_ids(kept_ids, output.out_features)
-    draft.set_output_embeddings(PrunedOutputLayer(output, ids.sort().values.to(output.weight.device)))
+    device = next(itertools.chain(output.parameters(), output.buffers())).device
+    draft.set_output_embeddings(PrunedOutputLayer(output, ids.sort().values.to(device)))
     return draft
 
 

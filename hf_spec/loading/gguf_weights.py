@@ -109,6 +109,11 @@ class GGUFLinear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def select_rows(self, rows: torch.Tensor) -> GGUFLinear:
+        """A layer of these output ``rows`` only (a pruned vocabulary's output layer): the file's blocks of them."""
+        return GGUFLinear(self.blocks[rows], self.ggml_type, self.in_features,
+                          None if self.bias is None else self.bias[rows])
+
     @classmethod
     def to_load(cls, in_features: int, out_features: int, ggml_type: int, bias: bool,
                 dtype: torch.dtype) -> GGUFLinear:
