@@ -1,5 +1,5 @@
-"""Peers of `hf-spec bench` that run in another Python environment: OpenVINO GenAI's LLM pipeline, target-only and
-speculative, on models exported by optimum-intel, timed on the same prompts, interleaved with the other methods.
+"""Peers of `hf-spec bench` that run outside its process: OpenVINO GenAI (its own environment) and llama.cpp's tools,
+target-only and speculative, timed on the same prompts, interleaved with the other methods.
 
 OpenVINO GenAI pins its own OpenVINO and tokenizer builds, and optimum-intel its own transformers range, so they live
 in an environment of their own (docs/benchmark.md says how to make it); the bench talks to
@@ -17,6 +17,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -49,6 +50,10 @@ class OpenVINOPeer:
         """Each pair's target-only method, and its speculative one where it has a draft."""
         return [name for label, (_, draft) in self.models.items()
                 for name in (f"openvino_{label}", *([f"openvino_{label}_k{num_draft_tokens}"] if draft else []))]
+
+    def offers(self, method: str) -> bool:
+        match = _METHOD.fullmatch(method)
+        return match is not None and match.group(1) in self.models
 
     def reference(self, method: str) -> str:
         """The method whose greedy output this one's is compared with: the pair's own target-only."""
@@ -107,3 +112,118 @@ class OpenVINOPeer:
 
     def __getstate__(self):
         return {**self.__dict__, "process": None}
+
+
+_LLAMA_METHOD = re.compile(r"llamacpp(?:_k([1-9][0-9]*))?")
+_PROMPT_EVAL = re.compile(r"prompt eval time =\s*([0-9.]+) ms /\s*([0-9]+) tokens")
+_EVAL = re.compile(r"\seval time =\s*([0-9.]+) ms /\s*([0-9]+) runs")
+_ENCODED = re.compile(r"encoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds")
+_DECODED = re.compile(r"decoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds")
+
+
+@dataclasses.dataclass
+class LlamaCppPeer:
+    """llama.cpp's own tools on the pair's GGUF files: ``llamacpp`` (``llama-completion``, the target alone) and
+    ``llamacpp_k<N>`` (``llama-speculative-simple`` with the draft, at most N drafted tokens), greedy, one process per
+    call (its model loading is not timed: the figures are the tools' own prompt and decoding times, which is what a
+    warm server pays). Built from llama.cpp's sources (docs/benchmark.md); outputs are compared with its own
+    target-only output (other kernels than hf_spec's), and the speculative tool's runs may go past the token count
+    (its tokens per second count them all)."""
+
+    binaries: str
+    target: str
+    draft: str | None = None
+    threads: int = 1
+
+    def __post_init__(self):
+        for tool in ("llama-completion", *(["llama-speculative-simple"] if self.draft else [])):
+            if not os.access(Path(self.binaries) / tool, os.X_OK):
+                raise ValueError(f"--llama-cpp {self.binaries!r}: no executable {tool} there (build llama.cpp's "
+                                 "tools: docs/benchmark.md).")
+
+    def methods(self, num_draft_tokens: int) -> list[str]:
+        return ["llamacpp", *([f"llamacpp_k{num_draft_tokens}"] if self.draft else [])]
+
+    def offers(self, method: str) -> bool:
+        return _LLAMA_METHOD.fullmatch(method) is not None
+
+    def reference(self, method: str) -> str:
+        return "llamacpp"
+
+    def run(self, method: str, inputs: dict, settings: dict, eos_ids: set[int], seed: int, max_new_tokens: int,
+            tokenizer=None, **where) -> Run:
+        if settings.get("do_sample"):
+            raise ValueError(f"{method}: the llama.cpp peer runs greedy settings only here.")
+        if tokenizer is None:
+            raise ValueError(f"{method}: the llama.cpp peer needs the pair's tokenizer (it reads text).")
+        k = _LLAMA_METHOD.fullmatch(method).group(1)
+        prompt = tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=False)
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as file:
+            file.write(prompt)
+        common = ["-f", file.name, "-n", str(max_new_tokens), "-t", str(self.threads), "--temp", "0", "-c", "4096",
+                  "-s", str(seed)]
+        if k is None:
+            command = [str(Path(self.binaries) / "llama-completion"), "-m", self.target, *common, "-no-cnv",
+                       "--no-display-prompt"]
+        else:
+            command = [str(Path(self.binaries) / "llama-speculative-simple"), "-m", self.target, "-md", self.draft,
+                       *common, "--spec-type", "draft-simple", "--spec-draft-n-max", k, "-td", str(self.threads)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        finally:
+            os.unlink(file.name)
+        if done.returncode != 0:
+            raise RuntimeError(f"{method}: {Path(command[0]).name} exited with {done.returncode}: "
+                               f"{done.stderr.strip()[-300:]}")
+        seconds, new_tokens = _llama_timings(done.stderr, speculative=k is not None)
+        text = done.stdout
+        new_ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        return Run(method=method, seconds=seconds, new_tokens=new_tokens, target_passes=0, draft_passes=0,
+                   proposed=None, accepted=None, working_memory_bytes=None, new_ids=new_ids, text=text, **where)
+
+    def __enter__(self) -> LlamaCppPeer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+def _llama_timings(log: str, speculative: bool) -> tuple[float, int]:
+    """``(seconds, new tokens)`` from a llama.cpp tool's log: prompt evaluation plus decoding."""
+    if speculative:
+        encoded, decoded = _ENCODED.search(log), _DECODED.search(log)
+        if encoded is None or decoded is None:
+            raise RuntimeError(f"llama-speculative-simple printed no timings: {log.strip()[-300:]}")
+        return float(encoded.group(2)) + float(decoded.group(2)), int(decoded.group(1))
+    prompt, generated = _PROMPT_EVAL.search(log), _EVAL.search(log)
+    if prompt is None or generated is None:
+        raise RuntimeError(f"llama-completion printed no timings: {log.strip()[-300:]}")
+    return (float(prompt.group(1)) + float(generated.group(1))) / 1000, int(generated.group(2)) + 1
+
+
+@dataclasses.dataclass
+class Peers:
+    """Several peers as one: each method goes to the peer that offers it."""
+
+    members: list
+
+    def methods(self, num_draft_tokens: int) -> list[str]:
+        return [method for peer in self.members for method in peer.methods(num_draft_tokens)]
+
+    def _owner(self, method: str):
+        return next(peer for peer in self.members if peer.offers(method))
+
+    def reference(self, method: str) -> str:
+        return self._owner(method).reference(method)
+
+    def run(self, method: str, *args, **kwargs) -> Run:
+        return self._owner(method).run(method, *args, **kwargs)
+
+    def __enter__(self) -> Peers:
+        for peer in self.members:
+            peer.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for peer in self.members:
+            peer.__exit__(*exc_info)

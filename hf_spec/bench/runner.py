@@ -111,7 +111,7 @@ def run_benchmark(
         # transformers' sampled universal assisted generation rewires its draft for good: a copy per mode
         plan.transformers_drafts = {False: copy.deepcopy(draft), True: copy.deepcopy(draft)}
 
-    warm = _warm_up(plan, workloads, settings, max_new_tokens)
+    warm = _warm_up(plan, workloads, settings, max_new_tokens, tokenizer)
     fixed_ks = {spec.fixed_num_draft_tokens for spec in plan.specs.values()
                 if spec.fixed_num_draft_tokens is not None} or {num_draft_tokens}
     costs = {name + suffix: measure_costs(plan.pairs[suffix][0], plan.drafter(plan.pairs[suffix][1]),
@@ -207,7 +207,7 @@ class _Plan:
         return make_drafter(draft)
 
 
-def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) -> dict[str, dict]:
+def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int, tokenizer=None) -> dict[str, dict]:
     """Each method's first call, timed: the first prompt and setting, to the full ``max_new_tokens``, after one
     untimed target step (the process's own first-use costs land on no method). A compiled method then runs every
     other prompt and setting once (each pass width compiles here); transformers' methods on copies of a draft of
@@ -240,8 +240,8 @@ def _warm_up(plan: _Plan, workloads: dict, settings: dict, max_new_tokens: int) 
         warm[method] = {"seconds": time.perf_counter() - started, "first_seconds": first_seconds,
                         "first_tokens": tokens, "setting": setting_name}
     for method in plan.peer_methods:  # its first call builds and compiles the pipeline
-        run = plan.peer.run(method, first, first_setting, plan.eos_ids, 0, max_new_tokens, workload="", prompt=0,
-                            setting=setting_name, repeat=0)
+        run = plan.peer.run(method, first, first_setting, plan.eos_ids, 0, max_new_tokens, tokenizer, workload="",
+                            prompt=0, setting=setting_name, repeat=0)
         warm[method] = {"seconds": run.seconds, "first_seconds": run.seconds, "first_tokens": run.new_tokens,
                         "setting": setting_name}
     return warm

@@ -9,7 +9,7 @@ import torch
 
 from hf_spec.bench.first_call import format_first_calls, run_first_calls
 from hf_spec.bench.methods import DEFAULT_METHODS, METHODS, SETTINGS, method_spec, runs_on
-from hf_spec.bench.peers import OpenVINOPeer
+from hf_spec.bench.peers import LlamaCppPeer, OpenVINOPeer, Peers
 from hf_spec.bench.report import format_table, plot
 from hf_spec.bench.runner import run_benchmark
 from hf_spec.bench.variants import KERNEL_LABELS, bench_variants
@@ -26,6 +26,7 @@ from hf_spec.cli.common import (
 )
 from hf_spec.extras import require
 from hf_spec.loading.pair import TINY
+from hf_spec.loading.pretrained import gguf_file
 from hf_spec.loading.quantization import SCHEMES
 from hf_spec.loading.tiny import TINY_VOCAB_SIZE
 from hf_spec.loading.vocabulary import COUNTED_ON
@@ -106,6 +107,10 @@ def add_parser(commands) -> None:
                              "interleaved with the other methods (needs --openvino-python)")
     parser.add_argument("--openvino-python", metavar="PYTHON", default=None,
                         help="the Python of an environment with openvino-genai (docs/benchmark.md)")
+    parser.add_argument("--llama-cpp", metavar="BIN_DIR", default=None,
+                        help="also run llama.cpp's llama-completion (llamacpp) and llama-speculative-simple "
+                             "(llamacpp_k<k>) from this folder on the pair's GGUF files (the built-in pair's as "
+                             "shipped; greedy settings), interleaved with the other methods (docs/benchmark.md)")
     parser.set_defaults(run=run)
 
 
@@ -134,8 +139,12 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.openvino) != bool(args.openvino_python):
         raise ValueError("--openvino and --openvino-python go together: the folders to run, and the Python that has "
                          f"openvino-genai (got --openvino {args.openvino} --openvino-python {args.openvino_python}).")
-    peer = None if not args.openvino else OpenVINOPeer(args.openvino_python, dict(args.openvino),
-                                                       args.threads or torch.get_num_threads())
+    threads = args.threads or torch.get_num_threads()
+    peers = [OpenVINOPeer(args.openvino_python, dict(args.openvino), threads)] if args.openvino else []
+    if args.llama_cpp:
+        peers.append(LlamaCppPeer(args.llama_cpp, str(gguf_file(args.target)),
+                                  str(gguf_file(args.draft)), threads))
+    peer = None if not peers else peers[0] if len(peers) == 1 else Peers(peers)
     pair = load_models(args)
     workloads = tuple(dict.fromkeys(args.workloads))
     if args.target == TINY:

@@ -251,8 +251,8 @@ inline void store(at::BFloat16* out, float value) { *out = at::BFloat16(value); 
 // scales s [MB, K / block] and sums c [MB, K / 32]. A group's weights are applied to every row in turn, each row's
 // block sum held in its own register.
 template <typename Q, typename T, int MB>
-inline void output(const uint8_t* row, int64_t K, const int8_t* q, const float* s, const int32_t* c, T* out,
-                   int64_t ldo) {
+inline void output(const uint8_t* row, const Decoded<Q::kGroups>* decoded, int64_t K, const int8_t* q, const float* s,
+                   const int32_t* c, T* out, int64_t ldo) {
   constexpr int kG = Q::kGroups;
   const int64_t G = K / kGroup, blocks = G / kG;
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(Q::kOffset));
@@ -262,9 +262,10 @@ inline void output(const uint8_t* row, int64_t K, const int8_t* q, const float* 
     sums[m] = _mm256_setzero_ps();
     offsets[m] = 0.f;
   }
-  Decoded<kG> w;
+  Decoded<kG> local;
   for (int64_t b = 0; b < blocks; ++b) {
-    Q::decode(row + b * Q::kBytes, w);
+    if (decoded == nullptr) Q::decode(row + b * Q::kBytes, local);
+    const Decoded<kG>& w = decoded == nullptr ? local : decoded[b];
     __m256i exact[MB];  // [8] int32 per row: the block's sum, exact
     for (int m = 0; m < MB; ++m) exact[m] = _mm256_setzero_si256();
     for (int g = 0; g < kG; ++g) {
@@ -293,7 +294,8 @@ inline void output(const uint8_t* row, int64_t K, const int8_t* q, const float* 
 }
 
 template <typename Q, typename T>
-using Output = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, T*, int64_t);
+using Output = void (*)(const uint8_t*, const Decoded<Q::kGroups>*, int64_t, const int8_t*, const float*,
+                        const int32_t*, T*, int64_t);
 template <typename Q, typename T>
 const Output<Q, T> kOutputs[kRowBlock] = {output<Q, T, 1>, output<Q, T, 2>, output<Q, T, 3>, output<Q, T, 4>,
                                           output<Q, T, 5>, output<Q, T, 6>, output<Q, T, 7>, output<Q, T, 8>};
@@ -311,12 +313,20 @@ void gguf_mm_impl(const T* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t 
     for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, B, qp + m * K, sp + m * blocks, cp + m * G);
   });
   at::parallel_for(0, (N + kRowTile - 1) / kRowTile, 1, [&](int64_t t0, int64_t t1) {
+    // More rows than one pass takes (a prompt): the tile's blocks decoded once, then read for every pass of rows.
+    std::vector<Decoded<Q::kGroups>> decoded(M > kRowBlock ? kRowTile * blocks : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n1 = std::min(N, (t + 1) * kRowTile);
+      const int64_t n0 = t * kRowTile, n1 = std::min(N, n0 + kRowTile);
+      for (int64_t n = n0; n < n1 && !decoded.empty(); ++n) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          Q::decode(wp + n * row_bytes + b * Q::kBytes, decoded[(n - n0) * blocks + b]);
+        }
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const auto multiply = kOutputs<Q, T>[std::min<int64_t>(kRowBlock, M - m0) - 1];
-        for (int64_t n = t * kRowTile; n < n1; ++n) {
-          multiply(wp + n * row_bytes, K, qp + m0 * K, sp + m0 * blocks, cp + m0 * G, op + m0 * N + n, N);
+        for (int64_t n = n0; n < n1; ++n) {
+          multiply(wp + n * row_bytes, decoded.empty() ? nullptr : decoded.data() + (n - n0) * blocks, K,
+                   qp + m0 * K, sp + m0 * blocks, cp + m0 * G, op + m0 * N + n, N);
         }
       }
     }
