@@ -234,3 +234,21 @@ def test_a_bad_kernel_switch_is_named(monkeypatch):
             gguf_weights.gguf_kernel()
     finally:
         gguf_weights._build.cache_clear()
+
+
+def test_a_tied_output_layer_takes_the_embeddings_blocks(tmp_path):
+    """A file of a model with tied embeddings holds ``token_embd`` once: the output layer multiplies by its blocks
+    (the input embedding keeps its float rows for lookups), and the model saves and loads."""
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    path = write_gguf(LlamaForCausalLM(config).eval(), tmp_path / "tied.gguf", "Q8_0")
+    model = loaded(path)
+    adopted = adopt_gguf(model, path)
+    assert adopted["lm_head"] == "Q8_0"
+    assert torch.equal(model.get_output_embeddings().dequantized(), model.get_input_embeddings().weight)
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--min-new-tokens {args.min_new_tokens}: more than --max-new-tokens {args.max_new_tokens}.")
     if args.first_call:
         return run_first(args)
-    if args.quantize and args.quantize in args.variants:
+    if args.quantize in args.variants:
         raise ValueError(f"--variants {args.quantize}: the target itself is already loaded with --quantize "
                          f"{args.quantize}.")
     if not args.no_plot:
@@ -185,7 +185,7 @@ def run_first(args: argparse.Namespace) -> int:
     """``--first-call``: each method's first call in a fresh process (`hf_spec.bench.first_call`)."""
     unused = {"--variants": args.variants, "--draft-variants": args.draft_variants,
               "--draft-vocab-variants": args.draft_vocab_variants,
-              "--quantize": args.quantize, "--quantize-draft": args.quantize_draft != "auto",
+              "--quantize": args.quantize != "auto", "--quantize-draft": args.quantize_draft != "auto",
               "--draft-vocab": args.draft_vocab, "--no-optimize": args.no_optimize, "--repeats": args.repeats != 1,
               "--openvino": args.openvino}
     given = [name for name, value in unused.items() if value]

@@ -95,9 +95,11 @@ def target_arguments() -> argparse.ArgumentParser:
     group.add_argument("--no-optimize", action="store_true",
                        help="keep transformers' stock CPU kernels (default: each model on its fastest forward path, "
                             "chosen by measurement)")
-    group.add_argument("--quantize", default=None, choices=SCHEMES,
+    group.add_argument("--quantize", default="auto", choices=(*SCHEMES, "auto", "none"),
                        help="the target's linear layers quantized: int8 / int4 weight-only on torch's CPU kernels, "
-                            "or bitsandbytes' 8bit / nf4 / fp4 (the rest in --dtype)")
+                            "bitsandbytes' 8bit / nf4 / fp4 (the rest in --dtype), or gguf: a built-in model's GGUF "
+                            "file's own blocks; auto: gguf for a built-in model where it measured fastest (AVX2-only "
+                            "CPUs), else none")
     group.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     group.add_argument("--seed", type=int, default=0, help="seeds sampling and the tiny pair's weights")
     return parser
@@ -208,7 +210,8 @@ def load_models(args: argparse.Namespace, draft_dtype: torch.dtype | None = None
     (or ``optimize=False``: a draft that trains keeps plain layers); what was loaded is logged."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.target, args.draft, dtype=args.dtype, quantize=args.quantize,
+    quantize = None if args.quantize == "none" else args.quantize
+    pair = load_pair(args.target, args.draft, dtype=args.dtype, quantize=quantize,
                      quantize_draft=None if args.quantize_draft == "none" else args.quantize_draft,
                      draft_dtype=draft_dtype, seed=args.seed,
                      optimize=optimize and not args.no_optimize, draft_vocab=args.draft_vocab,

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     prepare_folder(args.output_dir, "--output-dir")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_model(args.target, dtype=args.dtype, quantize=args.quantize, seed=args.seed)
+    quantize = None if args.quantize in ("auto", "none") else args.quantize  # heads train on the float target
+    target, tokenizer = load_model(args.target, dtype=args.dtype, quantize=quantize, seed=args.seed)
     if args.feature_layers is not None:
         try:  # before any feature is built
             check_feature_layers(args.feature_layers, target.config.get_text_config().num_hidden_layers)

@@ -173,7 +173,7 @@ def adopt_gguf(model: nn.Module, gguf_file: str | Path) -> dict[str, str]:
     mismatched = []
     for name, layer in layers.items():
         file_name = names.get(f"{name}.weight")
-        if file_name is None and layer is getattr(model, "get_output_embeddings", lambda: None)():
+        if file_name not in tensors and layer is getattr(model, "get_output_embeddings", lambda: None)():
             file_name = "token_embd.weight"  # a tied output layer: the file holds the embedding once
         found = tensors.get(file_name)
         if found is None or found[0] not in TYPES:
@@ -188,6 +188,9 @@ def adopt_gguf(model: nn.Module, gguf_file: str | Path) -> dict[str, str]:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, candidate)
         adopted[name] = TYPES[ggml_type][0]
+        if file_name == "token_embd.weight":  # the output layer on the blocks, the input embedding on its float rows:
+            for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+                config.tie_word_embeddings = False  # no longer one weight (a saved model loads them apart)
     if mismatched and not adopted:
         raise ValueError(f"`gguf_file` {str(gguf_file)!r} does not hold this model's weights: no layer's rows equal "
                          f"the file's (first tried: {mismatched[0]!r}).")

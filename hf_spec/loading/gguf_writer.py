@@ -133,7 +133,8 @@ def write_gguf(model: PreTrainedModel, path: str | Path, types: dict[str, str] |
                                else config.num_key_value_heads)
         kind = types if isinstance(types, str) else next(
             (kind for part, kind in types.items() if part in file_name), "Q8_0")
-        if hf_name not in linear_weights:
+        is_tied_output = file_name == "token_embd.weight" and config.tie_word_embeddings  # quantized, as llama.cpp's
+        if hf_name not in linear_weights and not is_tied_output:
             writer.add_tensor(file_name, values)
             continue
         quant = gguf.GGMLQuantizationType[kind]

@@ -28,7 +28,8 @@ from hf_spec.drafting.vocabulary import prune_vocabulary, pruned_size
 from hf_spec.heads.base import DraftHeadBase
 from hf_spec.heads.saved import head_kind, load_head
 from hf_spec.loading import int8_rows, packed
-from hf_spec.loading.cpu import default_dtype
+from hf_spec.loading.cpu import cpu_class, cpu_flags, default_dtype
+from hf_spec.loading.gguf_weights import GGUF, gguf_kernel
 from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, PACKAGED_MODELS, cache_dir, is_converted, load
 from hf_spec.loading.quantization import SCHEMES, first_device, quantized_copy
 from hf_spec.loading.tiny import (
@@ -128,7 +129,8 @@ class Pair:
 
 
 def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype: torch.dtype | str = "fastest",
-              quantize: str | None = None, quantize_draft: str | None = "auto", draft_dtype: torch.dtype | None = None,
+              quantize: str | None = "auto", quantize_draft: str | None = "auto",
+              draft_dtype: torch.dtype | None = None,
               optimize: bool = True, draft_vocab: int | None = None, draft_vocab_corpus: str | list[str] = "stdlib",
               draft_vocab_counts: str = "continuations", seed: int = 0) -> Pair:
     """Load ``target`` and ``draft`` (built-in names, local folders, Hub ids, ``"tiny"``, or for the draft
@@ -144,9 +146,13 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
         quantize, quantize_draft: ``"int8"`` or ``"int4"`` (weight-only, on hf_spec's and torch's CPU kernels),
             ``"w8a8"`` (int8 weights and inputs quantized on the fly, where AVX512-VNNI runs), or a bitsandbytes scheme
             (``"8bit"``, ``"nf4"``, ``"fp4"``) for either model; a bitsandbytes target is spread by
-            ``device_map="auto"``, and the draft goes to its first device. ``quantize_draft="auto"`` (the default)
-            is ``"w8a8"`` or ``"int8"`` for a bf16 draft where hf_spec's kernels run (`draft_quantization`), else
-            ``None``: the draft's weights never change the target's law, only how often its tokens are accepted.
+            ``device_map="auto"``, and the draft goes to its first device; ``"gguf"``: the model's GGUF file's own
+            blocks (a built-in model, `hf_spec.loading.gguf_weights`). ``quantize="auto"`` (the default) is
+            ``"gguf"`` for a built-in model on a CPU class where the GGUF kernel measured fastest (`gguf_wins_here`),
+            else ``None``; ``quantize_draft="auto"`` is ``"gguf"`` where the target took it and the draft is
+            built in, else ``"w8a8"`` or ``"int8"`` for a bf16 draft where hf_spec's kernels run
+            (`draft_quantization`), else ``None``: the draft's weights never change the target's law, only how often
+            its tokens are accepted.
         draft_dtype: the draft's weights when they should differ (training keeps float32).
         draft_vocab: keep only the draft's N most frequent output ids (FR-Spec, `hf_spec.drafting.vocabulary`),
             counted on the target's greedy continuations of ``draft_vocab_corpus`` then on the corpus itself
@@ -160,6 +166,11 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
     """
     dtype = resolve_dtype(dtype)
     target, draft = model_name(target), model_name(draft)
+    if quantize not in (None, "auto", *SCHEMES):
+        raise ValueError(f"`quantize` must be None, 'auto' or one of {SCHEMES}, but is {quantize!r}.")
+    quantize = (GGUF if gguf_wins_here(target) else None) if quantize == "auto" else quantize
+    if quantize_draft == "auto" and quantize == GGUF and draft in PACKAGED_MODELS:
+        quantize_draft = GGUF
     if quantize_draft not in (None, "auto", *SCHEMES):
         raise ValueError(f"`quantize_draft` must be None, 'auto' or one of {SCHEMES}, but is {quantize_draft!r}.")
     is_head = head_kind(draft) is not None
@@ -232,6 +243,18 @@ def seed_pair_costs(target: PreTrainedModel, draft) -> None:
         seed_costs(target, ModelDrafter(draft), target_path.seconds.get(target_path.name, {}),
                    draft_path.seconds.get(draft_path.name, {}), DEFAULT_MAX_DRAFT_TOKENS + 1,
                    persist=target_path.quiet and draft_path.quiet)
+
+
+#: The CPU classes (`hf_spec.loading.cpu.cpu_class`) where a built-in model runs fastest on its GGUF file's blocks, by
+#: measurement (benchmarks/RESULTS.md): on AMD EPYC AVX2 a target step took 65-80 ms on the blocks against 341 ms in
+#: float32. Not measured on the other classes yet: they keep their float (and int8 / w8a8 draft) defaults.
+GGUF_CLASSES = ("AVX2",)
+
+
+def gguf_wins_here(name: str) -> bool:
+    """Whether ``quantize="auto"`` loads the built-in model ``name`` on its GGUF blocks here (`GGUF_CLASSES`, the
+    kernel builds)."""
+    return name in PACKAGED_MODELS and cpu_class(cpu_flags()[1]) in GGUF_CLASSES and gguf_kernel() is not None
 
 
 def draft_quantization(quantize_draft: str | None, draft: PreTrainedModel, quantize: str | None = None
