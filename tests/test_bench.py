@@ -623,3 +623,56 @@ def test_sampled_speeds_take_the_draws_luck_out():
         adjusted = figures["lucky"]["adjusted_tokens_per_second"] / figures["unlucky"]["adjusted_tokens_per_second"]
         assert raw > 1.08
         assert (abs(adjusted - 1) > 0.08) == apart, (has_expected, raw, adjusted)
+
+
+FAKE_LLAMA = '''#!{python}
+import os, sys
+args = sys.argv[1:]
+n = int(args[args.index("-n") + 1])
+with open(os.environ["FAKE_LLAMA_LOG"], "a") as log:
+    log.write(os.path.basename(sys.argv[0]) + " " + " ".join(args) + "\\n")
+sys.stdout.write("abc" * (n // 3))
+if "-md" in args:
+    sys.stderr.write("encoded    4 tokens in    0.250 seconds, speed:   16.0 t/s\\n")
+    sys.stderr.write(f"decoded {{n + 2:4d}} tokens in    1.500 seconds, speed:   10.0 t/s\\n")
+else:
+    sys.stderr.write("llama_perf_context_print: prompt eval time =     120.00 ms /     4 tokens\\n")
+    sys.stderr.write(f"llama_perf_context_print:        eval time =     880.00 ms / {{n - 1:5d}} runs   (x)\\n")
+'''
+
+
+def test_llama_cpp_peer_runs_its_tools_on_the_prompts_and_reads_their_timings(tmp_path, monkeypatch):
+    """Stand-in llama.cpp tools (none built here): each greedy prompt reaches llama-completion and
+    llama-speculative-simple (with the draft and k), the tools' own prompt and decoding times are the runs' seconds,
+    their counts the tokens, and the rows land in the report; missing tools and sampled settings are named."""
+    import sys
+
+    from hf_spec.bench.peers import LlamaCppPeer, _llama_timings
+    from hf_spec.loading.tiny import tiny_tokenizer
+
+    for tool in ("llama-completion", "llama-speculative-simple"):
+        (tmp_path / tool).write_text(FAKE_LLAMA.format(python=sys.executable))
+        (tmp_path / tool).chmod(0o755)
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "log.txt"))
+    peer = LlamaCppPeer(str(tmp_path), "target.gguf", "draft.gguf", threads=2)
+    target, draft = build_tiny_pair(seed=1)
+    workloads = random_workloads(("code",), 2, TINY_VOCAB_SIZE, seed=0)
+    report = run_benchmark(target, draft, workloads, settings={"greedy": {"do_sample": False}},
+                           methods=("target_only",), num_draft_tokens=3, max_new_tokens=6, progress=False, peer=peer,
+                           tokenizer=tiny_tokenizer())
+    runs = {run["method"]: run for run in report["runs"] if run["method"].startswith("llamacpp")}
+    assert runs["llamacpp"]["seconds"] == pytest.approx(1.0) and runs["llamacpp"]["new_tokens"] == 6
+    assert runs["llamacpp_k3"]["seconds"] == pytest.approx(1.75) and runs["llamacpp_k3"]["new_tokens"] == 8
+    calls = (tmp_path / "log.txt").read_text().splitlines()
+    assert sum(line.startswith("llama-completion -m target.gguf") for line in calls) == 3  # warm-up and 2 prompts
+    speculative = [line for line in calls if line.startswith("llama-speculative-simple")]
+    assert len(speculative) == 3 and all("-md draft.gguf" in line and "--spec-draft-n-max 3" in line
+                                         for line in speculative)
+    assert {"--temp 0", "-t 2"} <= {part for line in calls for part in (" ".join(line.split()[i:i + 2])
+                                                                          for i in range(len(line.split())))}
+    with pytest.raises(RuntimeError, match="printed no timings"):
+        _llama_timings("nothing", speculative=False)
+    with pytest.raises(ValueError, match="greedy settings only"):
+        peer.run("llamacpp", workloads["code"][0], {"do_sample": True}, set(), 0, 4, tiny_tokenizer())
+    with pytest.raises(ValueError, match="no executable llama-completion"):
+        LlamaCppPeer(str(tmp_path / "nothing"), "target.gguf")
