@@ -146,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
                                   str(gguf_file(args.draft)), threads))
     peer = None if not peers else peers[0] if len(peers) == 1 else Peers(peers)
     pair = load_models(args)
+    if args.kernel_baselines and getattr(pair.target.config, "quantization_config", None) is not None:
+        log(f"--kernel-baselines {' '.join(args.kernel_baselines)}: not run, the target is quantized "
+            f"({getattr(pair.target, 'hf_spec_weight_only', None) or 'another library'}); they are target-only "
+            "decoding of the float target on other kernels (--quantize none runs it)")
     workloads = tuple(dict.fromkeys(args.workloads))
     if args.target == TINY:
         inputs = random_workloads(workloads, args.prompts, TINY_VOCAB_SIZE, seed=args.seed)
