@@ -101,6 +101,12 @@ def add_parser(commands) -> None:
                         help="time each method's first call in a fresh process instead (one subprocess per method and "
                              "prompt; loading not timed): 'shared' keeps probed costs between processes as a user's "
                              "machine does, 'fresh' starts every process without them (hf_spec's first run)")
+    peer_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The peers run beside hf_spec's methods: OpenVINO GenAI and llama.cpp (`hf_spec.bench.peers`)."""
     parser.add_argument("--openvino", nargs="+", default=[], type=openvino_pair, metavar="LABEL=TARGET[,DRAFT]",
                         help="also run OpenVINO GenAI on these folders exported by `optimum-cli export openvino`: "
                              "openvino_<LABEL> (the target alone) and openvino_<LABEL>_k<k> (with the draft), "
@@ -111,7 +117,6 @@ def add_parser(commands) -> None:
                         help="also run llama.cpp's llama-completion (llamacpp) and llama-speculative-simple "
                              "(llamacpp_k<k>) from this folder on the pair's GGUF files (the built-in pair's as "
                              "shipped; greedy settings), interleaved with the other methods (docs/benchmark.md)")
-    parser.set_defaults(run=run)
 
 
 def openvino_pair(text: str) -> tuple[str, tuple[str, str | None]]:
