@@ -252,3 +252,19 @@ def test_a_tied_output_layer_takes_the_embeddings_blocks(tmp_path):
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_a_gguf_target_compiles_whole_with_a_static_cache():
+    """The kernel is a torch operator (``hf_spec::gguf_mm``) to ``torch.compile``: verify passes compile in one graph
+    (``fullgraph=True``), and greedy output equals the GGUF target's own."""
+    from helpers import make_tiny_model
+    from transformers import CompileConfig
+
+    target = speculative(gguf_copy(make_tiny_model(seed=0), "Q8_0"))
+    draft = make_noisy_copy(make_tiny_model(seed=0), seed=2, noise=0.05)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with without_speculation(target):
+        expected = target.generate(ids, max_new_tokens=10, do_sample=False)
+    output = target.generate(ids, assistant_model=draft, max_new_tokens=10, do_sample=False,
+                             cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+    assert torch.equal(output, expected)

@@ -85,6 +85,18 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"GGUF models keep their float weights: {reason}.", stacklevel=3)
 
 
+@torch.library.custom_op("hf_spec::gguf_mm", mutates_args=())
+def gguf_mm(rows: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The kernel as a torch operator, so that ``torch.compile`` keeps a layer in its graph: ``rows`` ``[M, K]``
+    float32 or bf16, ``blocks`` ``[N, K / block * bytes]`` -> ``[M, N]``."""
+    return gguf_kernel().gguf_mm(rows, blocks, ggml_type)
+
+
+@gguf_mm.register_fake
+def _(rows: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], blocks.shape[0]))
+
+
 class GGUFLinear(nn.Module):
     """A linear layer whose weight is a GGUF file's blocks (``blocks`` ``[out, in / block * bytes]`` uint8, ggml type
     ``ggml_type``), with an optional float ``bias``."""
@@ -103,8 +115,11 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        taken = rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float()
-        out = gguf_kernel().gguf_mm(taken.contiguous(), self.blocks, self.ggml_type).to(x.dtype)
+        taken = (rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float()).contiguous()
+        if torch.compiler.is_compiling():  # a graph holds the op (`compile_config`); eager calls skip the dispatcher
+            out = gguf_mm(taken, self.blocks, self.ggml_type).to(x.dtype)
+        else:
+            out = gguf_kernel().gguf_mm(taken, self.blocks, self.ggml_type).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
