@@ -27,6 +27,7 @@ from logits_processors.compat import encoder_ngram_bans, num_beams, prefix_allow
 __all__ = [
     "OVERRIDDEN_METHODS",
     "TESTED_TRANSFORMERS",
+    "WHISPER_OVERRIDES",
     "attention_implementation",
     "check_generation_hooks",
     "decoding_chain",
@@ -69,6 +70,13 @@ OVERRIDDEN_METHODS = {
                            "streamer", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer"),
     "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
 }
+
+
+#: Whisper's private method `hf_spec.mixin.SpeculativeGenerationMixin` overrides to put back the call's
+#: ``begin_suppress_tokens`` (Whisper's generate() drops them whenever an assistant is in the call), with the
+#: parameters it relies on; ``tests/test_compat.py`` checks them.
+WHISPER_OVERRIDES = {"_retrieve_logit_processors": ("generation_config", "logits_processor", "begin_index",
+                                                    "num_beams", "device")}
 
 
 def check_generation_hooks() -> None:

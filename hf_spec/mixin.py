@@ -124,9 +124,10 @@ class SpeculativeGenerationMixin(GenerationMixin):
             _CALL.reset(token)
 
     def _retrieve_logit_processors(self, generation_config, *args, **kwargs):
-        """Whisper's processor chain (`hf_spec.compat.WHISPER_HOOKS`): its generate() sets ``begin_suppress_tokens`` to
-        None whenever an assistant is in the call (transformers' assisted loop would otherwise keep the assistant from
-        ending at the first position); hf_spec's loop applies the chain exactly, so the call's value is put back."""
+        """Whisper's processor chain (`hf_spec.compat.WHISPER_OVERRIDES`): its generate() sets
+        ``begin_suppress_tokens`` to None whenever an assistant is in the call (transformers' assisted loop would
+        otherwise keep the assistant from ending at the first position); hf_spec's loop applies the chain exactly, so
+        the call's value is put back."""
         restored = _current_call().options.begin_suppress_tokens
         if restored is not None and generation_config.begin_suppress_tokens is None:
             generation_config.begin_suppress_tokens = restored

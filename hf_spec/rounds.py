@@ -274,11 +274,10 @@ class Rounds(abc.ABC):
     def finish_sizer(self, target: PreTrainedModel, is_quiet: bool) -> None:
         """After a call of one row on a machine nothing else loaded (``is_quiet``): where its own timings put the
         draft's step against the target's pass off the probe's costs, the stored costs follow (`correct_costs`: a
-        store made while the machine was busy does not outlive its truth). Only the ratio is corrected: the call's
-        context length moves both models' timings alike."""
+        store made while the machine was busy does not outlive its truth)."""
         observed = self.sizer.observed_cost_ratio()
         if observed is not None and is_quiet:
-            correct_costs(target, self.drafter, (1.0, observed))
+            correct_costs(target, self.drafter, self.sizer.seeded, observed)
 
     def probe_widths(self) -> tuple[int, ...]:
         """The draft passes the probe times: the step, and the 2-token catch-up where the drafter reports it."""

@@ -83,3 +83,14 @@ def test_setup_cfg_requires_the_oldest_tested_transformers_and_caps_nothing():
     setup = (Path(__file__).parent.parent / "setup.cfg").read_text()
     assert f"transformers>={compat.TESTED_TRANSFORMERS[0]}\n" in setup
     assert "transformers<" not in setup.replace(" ", "")
+
+
+def test_whispers_overridden_method_keeps_the_parameters_hf_spec_relies_on():
+    import inspect
+
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    for name, expected in compat.WHISPER_OVERRIDES.items():
+        assert set(expected) <= set(inspect.signature(getattr(WhisperGenerationMixin, name)).parameters)
+    source = inspect.getsource(WhisperGenerationMixin.generate)
+    assert "generation_config.begin_suppress_tokens = None" in source, "Whisper no longer drops them: drop the override"

@@ -524,3 +524,27 @@ def test_the_load_meter_sees_other_processes(monkeypatch):
     with LoadMeter() as quiet:
         time.sleep(0.5)
     assert quiet.others_share < meter.others_share
+
+
+def test_a_sizer_kept_across_calls_corrects_the_stored_costs_once(monkeypatch, tmp_path, machine_load):
+    """An `AutoDraftLength` passed to every call keeps the costs it started from; each quiet call's correction scales
+    those, so a second call does not scale the corrected table again (which would put the draft at 1/25 of the stale
+    figure instead of 1/5)."""
+    from hf_spec.sizing.cost_store import load_table, store_key
+
+    monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
+    target = speculative(make_tiny_model(seed=0))
+    draft = make_noisy_copy(target, seed=2, noise=0.05)
+    true = probe_costs(target, ModelDrafter(draft), tuple(range(2, 9)))
+    key = store_key(target, draft, ModelDrafter(draft), torch.get_num_threads())
+    costs._PROBED.clear()
+    costs.save_table(key, CostTable(true.target_step_seconds, 5 * true.draft_step_seconds,
+                                    dict(true.target_block_seconds),
+                                    {width: 5 * seconds for width, seconds in true.draft_pass_seconds.items()}))
+    auto, steps = AutoDraftLength(), []
+    for _ in range(3):
+        target.generate(torch.tensor([[3, 1, 4, 1, 5]]), assistant_model=draft, num_assistant_tokens=auto,
+                        max_new_tokens=120, do_sample=False, eos_token_id=None)
+        steps.append(load_table(key, CostTable).draft_step_seconds)
+    assert steps[0] < 5 * true.draft_step_seconds / 2
+    assert steps[2] == pytest.approx(steps[0], rel=0.5), steps

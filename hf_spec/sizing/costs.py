@@ -189,26 +189,26 @@ def keep_unless_loaded(stored: str, table: CostTable, load: LoadMeter) -> None:
     save_table(stored, table)
 
 
-def correct_costs(target: PreTrainedModel, drafter, observed: tuple[float, float]) -> CostTable | None:
-    """Bring the stored costs of ``target`` and ``drafter`` to what a call observed, where they disagree: ``observed``
-    is the call's target pass and draft step over the table's figures (`OnlineSizer.observed_cost_ratio`), from a
-    call during which the machine was not loaded. A ratio within `AGREEMENT` of 1 changes nothing; otherwise the
-    target's passes, or the draft's, are scaled by it, in the process and on disk. Returns the new table, if any."""
-    target_ratio, draft_ratio = observed
-    if all(1 / AGREEMENT <= ratio <= AGREEMENT for ratio in observed):
+def correct_costs(target: PreTrainedModel, drafter, seeded: CostTable, draft_ratio: float) -> CostTable | None:
+    """Bring the stored costs of ``target`` and ``drafter`` to what a quiet call observed: ``draft_ratio`` is the
+    call's draft step against its target passes, over the same in ``seeded`` (the table the call's sizer started
+    from: `OnlineSizer.observed_cost_ratio`). Within `AGREEMENT` of 1 nothing changes; otherwise the table becomes
+    ``seeded`` with its draft passes scaled by it, in the process and on disk (scaling what the call started from, a
+    sizer kept across calls corrects once, not once per call). The target's passes stay: the call's context length
+    moves both models' timings alike. Returns the new table, if any."""
+    if 1 / AGREEMENT <= draft_ratio <= AGREEMENT:
         return None
     draft_model = None if drafter is None else drafter.cost_key
     threads = torch.get_num_threads()
     key = _process_key(target, draft_model, drafter, threads)
-    probed = _PROBED.get(target, {}).get(_WeakKey(draft_model), {})
-    table = probed.get(key)
-    if table is None:
+    probed = _PROBED.get(target, {}).get(_WeakKey(draft_model))
+    if probed is None or key not in probed:
         return None
-    corrected = CostTable(table.target_step_seconds * target_ratio, table.draft_step_seconds * draft_ratio,
-                          {size: seconds * target_ratio for size, seconds in table.target_block_seconds.items()},
-                          {width: seconds * draft_ratio for width, seconds in table.draft_pass_seconds.items()})
-    logger.info("stored pass costs corrected from a call's own timings: target passes x%.2f, draft passes x%.2f",
-                target_ratio, draft_ratio)
+    corrected = dataclasses.replace(
+        seeded, draft_step_seconds=seeded.draft_step_seconds * draft_ratio,
+        draft_pass_seconds={width: seconds * draft_ratio for width, seconds in seeded.draft_pass_seconds.items()},
+        target_block_seconds={**probed[key].target_block_seconds, **seeded.target_block_seconds})
+    logger.info("stored pass costs corrected from a call's own timings: draft passes x%.2f", draft_ratio)
     probed[key] = corrected
     save_table(store_key(target, draft_model, drafter, threads), corrected)
     return corrected

@@ -40,6 +40,8 @@ REACH_ERRORS = 0.5
 
 #: Timed rounds that drafted after which a call's timings may correct the stored costs whichever way they lie.
 OBSERVED_ROUNDS = 8
+#: The most recent such rounds a sizer keeps (one kept across calls does not grow without bound).
+MAX_OBSERVED = 256
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +145,9 @@ class OnlineSizer:
         self.is_hopeless = False  # measured costs say no draft can pay: k = 0 (once the call's timings agree)
         self.has_costs = False
         self.chosen: collections.deque[int] = collections.deque(maxlen=MAX_CHOSEN)  # tokens drafted, last rounds
-        # per timed round that drafted: (its draft step / the probe's) / (its target pass / the probe's)
-        self.observed_cost_ratios: list[float] = []
-        self.seeded_draft_step = 0.0
+        # per timed round that drafted: (its draft step / the probe's) / (its target pass / the probe's), recent ones
+        self.observed_cost_ratios: collections.deque[float] = collections.deque(maxlen=MAX_OBSERVED)
+        self.seeded: CostTable | None = None  # the costs it started from
 
     @property
     def needs_costs(self) -> bool:
@@ -159,8 +161,8 @@ class OnlineSizer:
         two nodes is no catch-up)."""
         self.costs.seed(costs, weight, catch_up)
         self.has_costs = True
-        self.seeded_draft_step = costs.draft_step_seconds
-        self.observed_cost_ratios = []
+        self.seeded = costs
+        self.observed_cost_ratios.clear()
         best = costs.best_possible_speedup()
         self.is_hopeless = best < 1.0
         if self.is_hopeless:
@@ -223,8 +225,9 @@ class OnlineSizer:
             if num_model_steps > 0:
                 step_seconds = draft_seconds / (num_model_steps + catch_up_steps)
                 draft_step.add_timing(step_seconds, scale=speed)
-                if draft_step is self.costs.draft_step and self.seeded_draft_step > 0 and self.costs.reference:
-                    self.observed_cost_ratios.append(step_seconds / self.seeded_draft_step / speed)
+                seeded_step = 0.0 if self.seeded is None else self.seeded.draft_step_seconds
+                if draft_step is self.costs.draft_step and seeded_step > 0 and self.costs.reference:
+                    self.observed_cost_ratios.append(step_seconds / seeded_step / speed)
             self.costs.add_block(num_block_tokens, verify_seconds)
             if self.is_hopeless and self.costs.draft_step.seeded is None:
                 self.is_hopeless = self._best_possible_speedup() < 1.0  # the step judged: hopeless if it held
