@@ -212,6 +212,9 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, *, dtype
 def _weights(model) -> str:
     """A model's dtype, and its weight-only scheme if it has one: ``"bfloat16"``, ``"bfloat16, int8 weights"``."""
     scheme = getattr(model, "hf_spec_weight_only", None)
+    if scheme == GGUF:  # say which of the file's types the layers multiply by, as shipped
+        kinds = sorted(set(model.config.quantization_config.modules.values()))
+        return str(model.dtype).removeprefix("torch.") + f", the GGUF file's own {'/'.join(kinds)} blocks"
     return str(model.dtype).removeprefix("torch.") + (f", {scheme} weights" if scheme else "")
 
 
