@@ -124,6 +124,7 @@ def gguf_copy(model: PreTrainedModel, kind: str = "Q4_0") -> PreTrainedModel:
         copied = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=model.dtype).eval()
         drop_gguf_quantizer(copied)
         copied.generation_config = copy.deepcopy(model.generation_config)
+        copied.name_or_path = model.name_or_path  # not the temporary folder
         adopt_gguf(copied, Path(folder) / "model.gguf")
     return copied
 
