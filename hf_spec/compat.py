@@ -43,6 +43,7 @@ __all__ = [
     "prefix_allowed_tokens",
     "prepare_sequence_bias",
     "records_recurrent_states",
+    "tensor_parallel_mesh",
 ]
 
 #: The oldest and the newest transformers minor releases hf_spec is tested with (CI runs the whole suite on the newest
@@ -207,3 +208,12 @@ def forgetting_output_capture(model: torch.nn.Module):
                     if getattr(hook, "__module__", None) == _CAPTURE_MODULE:
                         del module._forward_hooks[key]
             delattr(flagged, _CAPTURE_FLAG)
+
+
+def tensor_parallel_mesh(model):
+    """The ``torch.distributed`` device mesh a model loaded with ``tp_plan`` is sharded over, when over several ranks,
+    else ``None``. Reaches ``PreTrainedModel._tp_size`` and ``_device_mesh`` (its ``"tp"`` dimension where named)."""
+    if (getattr(model, "_tp_size", None) or 1) <= 1 or getattr(model, "_device_mesh", None) is None:
+        return None
+    mesh = model._device_mesh
+    return mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh

@@ -28,6 +28,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_spec.conditioning import Conditioning
 from hf_spec.forward import model_column_rules
+from hf_spec.parallel import ranks_of
 from hf_spec.recording import SpeculativeStats, recorded_call
 from hf_spec.rounds import Rounds
 from hf_spec.rows import RaggedBatch, Rollback
@@ -76,8 +77,9 @@ def speculative_decode(
         conditioning: what the models read beside the tokens (`hf_spec.conditioning`): an encoder's outputs (attached
             to ``target_cache`` already), the prompt's images (in ``target_cache`` already); the drafter gets it too.
     """
+    ranks = ranks_of(target)  # a tensor-parallel target's ranks draw from one seed and check they agree
     context = rounds.context(logits_processor, target.config.get_text_config().vocab_size,
-                             generation_config.do_sample, generator)
+                             generation_config.do_sample, ranks.shared_generator(generator, input_ids.device))
     rules = model_column_rules(target, target_cache) | rounds.drafter.column_rules()  # windows, recurrent states
     batch = RaggedBatch.start(input_ids, attention_mask, pad_token_id, rules)
     with _exclusive(rounds.drafter), recorded_call(target, input_ids.device, generation_config, batch.batch_size,
@@ -92,6 +94,7 @@ def speculative_decode(
 
                 # 1. Draft: a chain or a tree, each token drawn from the drafter's law q given its own prefix.
                 round_ = rounds.draft(batch, tokens_left, context)
+                ranks.agree("drafts", batch.row_ids, round_.drafted_ids)  # before the pass that would feed them
                 log.mark("drafting, other")
 
                 # 2. Verify: one target pass gives p after every drafted token, each processed with its own prefix (and
@@ -124,6 +127,7 @@ def speculative_decode(
             # tree's nodes sit after the committed positions, so the crop drops them too).
             rounds.roll_back(target_cache, Rollback(batch.model_ids.shape[1] - 1, None))
 
+    ranks.agree("outputs", batch.row_ids)
     scores, logits, stats = record.finish()
     return DecodeResult(sequences=batch.row_ids, scores=scores, logits=logits, stats=stats)
 

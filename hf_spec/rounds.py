@@ -85,6 +85,11 @@ class Round(abc.ABC):
     def is_invalid(self) -> torch.Tensor:
         """``[2]`` bool: whether the draft's logits, and its processed scores, held NaN or inf."""
 
+    @property
+    @abc.abstractmethod
+    def drafted_ids(self) -> torch.Tensor:
+        """The draft's tokens (a chain's ``[active, k]``; a tree's ``[2, n]``: its ids and parents)."""
+
     @abc.abstractmethod
     def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch,
                logits_processor: LogitsProcessorList) -> Verified:
@@ -132,6 +137,10 @@ class ChainRound(Round):
     @property
     def is_invalid(self) -> torch.Tensor:
         return self.proposal.is_invalid
+
+    @property
+    def drafted_ids(self) -> torch.Tensor:
+        return self.proposal.draft_ids
 
     def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch,
                logits_processor: LogitsProcessorList) -> Verified:
@@ -185,6 +194,10 @@ class TreeRound(Round):
     @property
     def is_invalid(self) -> torch.Tensor:
         return self.tree.is_invalid
+
+    @property
+    def drafted_ids(self) -> torch.Tensor:
+        return torch.stack([self.tree.token_ids, torch.tensor(self.tree.parents, device=self.tree.token_ids.device)])
 
     def verify(self, target: PreTrainedModel, target_cache, batch: RaggedBatch,
                logits_processor: LogitsProcessorList) -> Verified:

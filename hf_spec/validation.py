@@ -35,6 +35,7 @@ from hf_spec.checks import check_int, is_int_at_least
 from hf_spec.compat import pad_token_tensor
 from hf_spec.drafting.base import Drafter, DraftSource
 from hf_spec.drafting.tree import TreeDrafter
+from hf_spec.parallel import check_sharded_call
 from hf_spec.settings import check_own_settings, check_settings
 from hf_spec.sizing.draft_length import AutoDraftLength
 from hf_spec.sizing.tree_size import AutoTreeSize
@@ -387,6 +388,11 @@ def check_drafter(call: Call) -> None:
     call.rounds.drafter.check(call.model, call.generation_config.max_length)
 
 
+def check_ranks(call: Call) -> None:
+    """A tensor-parallel target: sizes every rank agrees on and a draft it can run (`check_sharded_call`)."""
+    check_sharded_call(call.model, call.assistant_model, call.rounds, call.settings)
+
+
 def check_processor_chain(call: Call) -> None:
     """No processor that keeps state between calls (`logits_processors.check_processors`)."""
     check_processors(call.processors)
@@ -438,4 +444,5 @@ def check_static_cache(call: Call) -> None:
 
 
 #: The rules on what transformers prepared, in the order they run (`check_call`).
-PREPARED_RULES: tuple[Rule, ...] = (check_batch, check_input_values, check_drafter, check_processor_chain, check_cache)
+PREPARED_RULES: tuple[Rule, ...] = (check_batch, check_input_values, check_drafter, check_ranks, check_processor_chain,
+                                    check_cache)

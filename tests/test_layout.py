@@ -219,9 +219,10 @@ def sibling_imports(path: Path) -> set[str]:
 
 
 def test_the_loop_imports_only_what_its_steps_need():
-    """``decoding.py`` is the five steps; what they need comes from at most five sibling modules (the rounds, the
-    rows, the record, the forward rules, the conditioning), so the loop reads without the rest of the package."""
-    assert len(sibling_imports(ROOT / "decoding.py")) <= 5, sorted(sibling_imports(ROOT / "decoding.py"))
+    """``decoding.py`` is the five steps; what they need comes from at most six sibling modules (the rounds, the
+    rows, the record, the forward rules, the conditioning, a sharded target's ranks), so the loop reads without the
+    rest of the package."""
+    assert len(sibling_imports(ROOT / "decoding.py")) <= 6, sorted(sibling_imports(ROOT / "decoding.py"))
 
 
 #: The kinds a round or a draft comes in: the loop's strategy objects carry their behaviour instead.
