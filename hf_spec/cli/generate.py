@@ -8,6 +8,7 @@ import time
 import torch
 from transformers import TextStreamer
 
+from hf_spec.cli import dataset
 from hf_spec.cli.common import (
     check_writable,
     decoding_arguments,
@@ -37,6 +38,7 @@ def add_parser(commands) -> None:
                         help="draft a tree of at most this many tokens per round, at most -k deep ('auto': the "
                              "budget and branching chosen every round; default: a chain of k)")
     parser.add_argument("--compare", action="store_true", help="also time target-only generate, same settings")
+    dataset.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -66,6 +68,15 @@ def _inputs(args: argparse.Namespace, tokenizer) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dataset is not None:
+        dataset.check_arguments(args)
+        check_writable(args.output, "--output")
+        report = dataset.run(args)
+        if report is not None:  # the main process
+            emit(argparse.Namespace(**{**vars(args), "output": None}), report,
+                 f"{report['rows_this_run']} rows generated ({report['rows']} in all) by {report['processes']} "
+                 f"process(es) in {report['seconds']:.1f} s; acceptance {report['acceptance_rate']}")
+        return 0
     if args.prompt_ids is None and not args.prompt.strip():
         raise ValueError("--prompt is empty: give a text to continue (or --prompt-ids).")
     if args.prompt_ids is not None:
