@@ -40,10 +40,11 @@ class Ranks:
 
 
 class TensorParallelRanks(Ranks):
-    """The ranks of a target's tensor-parallel group (``group``: a ``torch.distributed`` process group)."""
+    """The ranks of a target's tensor-parallel group (``group``: a ``torch.distributed`` process group whose
+    collectives take tensors on ``device``: the CPU for gloo, the rank's GPU for NCCL)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
         self.first = torch.distributed.get_global_rank(group, 0)
         self.size = torch.distributed.get_world_size(group)
         self.rank = torch.distributed.get_rank(group)
@@ -51,20 +52,21 @@ class TensorParallelRanks(Ranks):
     def shared_generator(self, generator: torch.Generator | None, device: torch.device) -> torch.Generator:
         """A generator seeded on every rank with one seed that the group's first rank draws from ``generator`` (torch's
         default generator when ``None``): the other ranks' generators are not read."""
-        seed = torch.randint(2**62, (1,), dtype=torch.int64, generator=generator)
+        seed = torch.randint(2**62, (1,), dtype=torch.int64, generator=generator,
+                             device=generator.device if generator is not None else "cpu").to(self.device)
         torch.distributed.broadcast(seed, src=self.first, group=self.group)
         return torch.Generator(device).manual_seed(int(seed))
 
     def agree(self, what: str, *tensors: torch.Tensor) -> None:
         """Gather ``digest(*tensors)`` from every rank; raise on every rank, naming them, where they differ."""
-        mine = digest(*tensors)
+        mine = digest(*tensors).to(self.device)
         everyone = [torch.empty_like(mine) for _ in range(self.size)]
         torch.distributed.all_gather(everyone, mine, group=self.group)
         if all(torch.equal(other, everyone[0]) for other in everyone):
             return
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank, other in enumerate(everyone):
-            groups.setdefault(tuple(other.tolist()), []).append(rank)
+            groups.setdefault(tuple(other.tolist()), []).append(rank)  # group ranks, by their digest
         split = " vs ".join(("rank " if len(members) == 1 else "ranks ") + ", ".join(map(str, members))
                             for members in groups.values())
         raise RuntimeError(
@@ -78,7 +80,10 @@ class TensorParallelRanks(Ranks):
 def ranks_of(model) -> Ranks:
     """The target's tensor-parallel ranks (`TensorParallelRanks`) where it is sharded over several, else `Ranks`."""
     mesh = tensor_parallel_mesh(model)
-    return Ranks() if mesh is None else TensorParallelRanks(mesh.get_group())
+    if mesh is None:
+        return Ranks()
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    return TensorParallelRanks(mesh.get_group(), device)
 
 
 def check_sharded_call(target, assistant_model, rounds, settings: dict) -> None:
