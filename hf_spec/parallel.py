@@ -5,7 +5,7 @@ the same accepted prefixes. That holds by construction: the call's randomness is
 rank and broadcast (`Ranks.shared_generator`), the draft is replicated (or sharded on the target's own mesh), and
 sizes follow accepted counts only (automatic sizing times passes on each rank, so it is refused). `Ranks.agree`
 checks it once a round, before the target's pass: a digest of each rank's committed tokens and draft, gathered; ranks
-that differ raise naming them (a collective fed different shapes would abort the process instead). docs/parallel.md.
+that differ raise naming them (a collective fed different shapes would abort the process instead). docs/scale.md.
 """
 
 from __future__ import annotations
