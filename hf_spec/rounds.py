@@ -228,7 +228,7 @@ class TreeRound(Round):
 
     def learn(self, accepted: Accepted, num_accepted: list[int], draft_seconds: float,
               verify_seconds: float | None) -> None:
-        self.sizer.update_tree(self.tree, accepted.path, draft_seconds, verify_seconds)
+        self.sizer.learn_tree(self.tree, accepted.path, draft_seconds, verify_seconds)
 
     def keep(self, target_cache, verified: Verified, accepted: Accepted) -> None:
         """The caches keep the committed prefix and the accepted path's entries; a draft head gets the target's

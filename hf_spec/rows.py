@@ -40,7 +40,7 @@ from logits_processors.chain import rows_by_length
 
 @dataclasses.dataclass(frozen=True)
 class Rollback:
-    """What the caches do after a round (`hf_spec.decoding.roll_back`), in this order."""
+    """What the caches do after a round (`hf_spec.rounds.Rounds.roll_back`), in this order."""
 
     num_cached: int  # 2. crop to this many columns: every model-view column but the last
     staying_rows: torch.Tensor | None  # 3. keep these rows (indices into the rows the caches held); None: every row

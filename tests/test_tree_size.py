@@ -110,7 +110,7 @@ def simulate(chooser: AutoTreeSize, a, g, c, block, rounds: int, seed: int) -> l
         depth = max(tree.depths, default=0)
         tree.num_model_steps = depth
         path = _sample_path(tree, a, g, rng)
-        chooser.update_tree(tree, path, draft_seconds=depth * c,
+        chooser.learn_tree(tree, path, draft_seconds=depth * c,
                             verify_seconds=None if index == 0 else block(tree.num_nodes + 1))
         choices.append((choice.num_nodes, branching))
     return choices
@@ -143,7 +143,7 @@ def test_children_the_draft_could_not_draw_count_as_rejections(counted, monkeypa
         n = choice.num_nodes if choice.branching == 1 else min(choice.num_nodes, choice.max_depth)
         chain = DraftTree(torch.zeros(n, dtype=torch.long), list(range(-1, n - 1)), None,
                           torch.zeros(2, dtype=torch.bool), n)
-        sizer.update_tree(chain, list(range(n)), 0.45 * n, sizer.block_seconds(n + 1))  # every node accepted
+        sizer.learn_tree(chain, list(range(n)), 0.45 * n, sizer.block_seconds(n + 1))  # every node accepted
     second = [row[1] for row in sizer.tree_acceptance(2)]
     if counted:
         assert max(second) < 0.1 and list(sizer.chosen_branching)[-3:] == [1, 1, 1], (second, sizer.chosen_branching)
@@ -218,7 +218,7 @@ def play_chains(sizer: AutoTreeSize, accepted_if_drafted, rounds: int, c: float 
         extra = lag if n > 0 else 0
         tree = DraftTree(torch.zeros(n, dtype=torch.long), list(range(-1, n - 1)), None,
                          torch.zeros(2, dtype=torch.bool), n, num_catch_up_tokens=extra if told else 0)
-        sizer.update_tree(tree, list(range(accepted)), draft_seconds=c * n + catch_up * min(extra, 1),
+        sizer.learn_tree(tree, list(range(accepted)), draft_seconds=c * n + catch_up * min(extra, 1),
                           verify_seconds=None if round_index == 0 else 1.0 + slope * n)
         lag = lag + 1 if n == 0 else int(accepted == n)
     return list(sizer.chosen)
@@ -252,7 +252,7 @@ def test_one_early_rejection_does_not_switch_tree_drafting_off(rejections):
     sizer = seeded_sizer(c=0.44, slope=0.01)
     for round_index in range(rejections):
         tree = DraftTree(torch.zeros(1, dtype=torch.long), [-1], None, torch.zeros(2, dtype=torch.bool), 1)
-        sizer.update_tree(tree, [], 0.44, None if round_index == 0 else 1.01)
+        sizer.learn_tree(tree, [], 0.44, None if round_index == 0 else 1.01)
     best, _ = sizer._best_tree(sizer.first.estimate(), 10, (1, 1))
     assert best.num_nodes == 0  # the estimate alone says plain steps
     assert sizer.choose_tree(10, (1, 1)).num_nodes == (1 if rejections == 1 else 0)
@@ -335,13 +335,13 @@ def test_an_auto_tree_drafts_its_chains_as_chain_rounds(model, drafter, monkeypa
 def test_a_draft_model_tree_reports_the_tokens_its_first_pass_catches_up_on(model, monkeypatch):
     """1 after a round whose accepted path ends at a node the draft never evaluated (a childless one: with one node
     expanded per level, only those), 0 otherwise; and the probe that starts an auto tree times the 2-token pass."""
-    reports, learn = [], FixedTreeSize.update_tree
+    reports, learn = [], FixedTreeSize.learn_tree
 
     def recording_learn(self, tree, path, draft_seconds, verify_seconds):
         reports.append((tree.parents, list(path), tree.num_catch_up_tokens))
         learn(self, tree, path, draft_seconds, verify_seconds)
 
-    monkeypatch.setattr(FixedTreeSize, "update_tree", recording_learn)
+    monkeypatch.setattr(FixedTreeSize, "learn_tree", recording_learn)
     draft = make_noisy_copy(model, seed=3, noise=0.1)
     model.generate(torch.tensor([[5, 9, 5, 9, 7]]), assistant_model=draft, do_sample=False, max_new_tokens=40,
                    num_tree_nodes=4)

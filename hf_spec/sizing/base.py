@@ -71,7 +71,7 @@ class TreeSizer(Sizer):
         drafter's ``(children per node, nodes per level or None)``."""
 
     @abc.abstractmethod
-    def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
+    def learn_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
                     verify_seconds: float | None) -> None:
         """Learn from a finished tree round: the accepted ``path`` (node indices, root's child first)."""
 
@@ -79,7 +79,7 @@ class TreeSizer(Sizer):
                     verify_seconds: float | None, reach: list[list[float]] | None = None) -> None:
         """A one-row chain, learnt as the tree it is: node i's parent is node i - 1 (from the path kept: a tree's
         acceptance is learnt per depth and sibling rank, from what each round tried)."""
-        self.update_tree(chain_tree(proposal), list(range(num_accepted[0])), draft_seconds, verify_seconds)
+        self.learn_tree(chain_tree(proposal), list(range(num_accepted[0])), draft_seconds, verify_seconds)
 
 
 def chain_tree(proposal: Proposal) -> DraftTree:

@@ -71,7 +71,7 @@ class FixedTreeSize(TreeSizer):
         depth = min(self.max_depth, depth_limit)
         return TreeChoice(self.num_nodes if depth > 0 else 0, depth)
 
-    def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
+    def learn_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
                     verify_seconds: float | None) -> None:
         """Nothing to learn."""
 
@@ -268,7 +268,7 @@ class AutoTreeSize(OnlineSizer, TreeSizer):
         self.chosen_branching.append(choice.branching or growth[0])
         return choice
 
-    def update_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
+    def learn_tree(self, tree: DraftTree, path: list[int], draft_seconds: float,
                     verify_seconds: float | None) -> None:
         """Learn from a finished round: the children the rule tried at each depth, and the round's timings."""
         reached = 0  # depths whose first-ranked child was tried
