@@ -32,7 +32,7 @@ def ranks(tmp_path_factory):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NUM_RANKS),
                "-m", "hf_spec.evaluation.tensor_parallel", "--target", str(root / "target"),
                "--draft", str(root / "draft"), "--output", str(root / "out")]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((root / "out" / f"rank{rank}.json").read_text()) for rank in range(NUM_RANKS)], target
 

@@ -1,11 +1,12 @@
 """``hf-spec generate --dataset``: one column of a dataset through speculative generation, one JSON line per row, in
 as many processes as ``accelerate launch`` starts; the output is in the dataset's order and a rerun resumes.
 
-Each line: ``{"index", "generated", "new_tokens", "prompt"}``. Files beside ``--output FILE.jsonl``: ``FILE.jsonl.parts/rank-<r>.jsonl``, what process r generated (a line per row,
-flushed per batch), and ``stats-<r>.json``, its counts. Rows are sorted by prompt length and cut into batches the
-same way whatever the number of processes (batch j goes to process j mod N, its generator seeded by ``--seed`` and its
-first row), so 1 and N processes write the same file. A rerun skips every row already in FILE or a part (a line cut
-by an interruption is dropped), then the main process merges the parts into FILE and removes them.
+Each line: ``{"index", "generated", "new_tokens", "prompt"}``. Beside ``--output FILE.jsonl``, the folder
+``FILE.jsonl.parts`` holds ``rank-<r>.jsonl``, what process r generated (a line per row, flushed per batch), and
+``stats-<r>.json``, its counts. Rows are sorted by prompt length and cut into batches the same way whatever the number
+of processes (batch j goes to process j mod N, its generator seeded by ``--seed`` and its first row), so 1 and N
+processes write the same file. A rerun skips every row already in FILE or a part (a line cut by an interruption is
+dropped), then the main process merges the parts into FILE and removes them (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def load_column(source: str, split: str, column: str) -> list[str]:
     values = dataset[column]
     for index, value in enumerate(values):
         if not isinstance(value, str):
-            raise ValueError(f"--column {column}: row {index} holds {type(value).__name__}, not text.")
+            raise TypeError(f"--column {column}: row {index} holds {type(value).__name__}, not text.")
     return values
 
 
