@@ -92,6 +92,14 @@ def test_an_interrupted_run_resumes_without_duplicates_or_gaps(rows, tmp_path, m
     assert main(job(rows, output)) == 0 and output.read_text() == whole.read_text()  # nothing left: unchanged
 
 
+def test_a_changed_dataset_is_refused_instead_of_mixed_with_old_answers(rows, tmp_path, capsys):
+    output = tmp_path / "out.jsonl"
+    assert main(job(rows, output, "--num-rows", "3")) == 0
+    rows.write_text(rows.read_text().replace("def f1(", "def g1("))
+    assert main(job(rows, output)) == 2
+    assert "row 1 was written for another prompt" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--output", "out.json"], "must name a .jsonl file"),
     (["--num-tree-nodes", "4"], "--batch-size 1"),

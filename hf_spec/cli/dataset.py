@@ -98,6 +98,14 @@ def done_rows(output: Path) -> dict[int, dict]:
     return {row["index"]: row for path in (output, *parts) for row in read_lines(path)}
 
 
+def check_resumable(done: dict[int, dict], texts: list[str], output: Path) -> None:
+    """Rows written before were written for these prompts (a changed dataset must not mix with old answers)."""
+    for index, row in sorted(done.items()):
+        if index < len(texts) and row.get("prompt") != texts[index]:
+            raise ValueError(f"--output {output}: row {index} was written for another prompt than the dataset's row "
+                             f"{index} now: remove {output} (and {parts_folder(output)}) or choose another --output.")
+
+
 def parts_folder(output: Path) -> Path:
     return output.with_name(output.name + ".parts")
 
@@ -118,6 +126,7 @@ def run(args: argparse.Namespace) -> dict | None:
     pair = load_models(args)
     tokenizer = pair.tokenizer
     done = done_rows(output)
+    check_resumable(done, texts, output)
     todo = {index: text for index, text in enumerate(texts) if index not in done}
     encoded = {index: _prompt_text(text, tokenizer, args.no_chat) for index, text in todo.items()}
     lengths = {index: len(tokenizer(text, add_special_tokens=False)["input_ids"]) for index, text in encoded.items()}
