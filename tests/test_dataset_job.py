@@ -105,6 +105,8 @@ def test_a_changed_dataset_is_refused_instead_of_mixed_with_old_answers(rows, tm
     (["--num-tree-nodes", "4"], "--batch-size 1"),
     (["--column", "id"], "row 0 holds int"),
     (["--column", "nope"], "has columns"),
+    (["--prompt", "hello"], "pass one"),
+    (["--compare"], "does not run with --dataset"),
 ])
 def test_bad_dataset_options_are_refused_by_name(rows, tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(tmp_path)

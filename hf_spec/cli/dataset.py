@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=8, help="rows per generate() call (similar lengths)")
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """The dataset options, before any work."""
+def check_arguments(args: argparse.Namespace, default_prompt: str) -> None:
+    """The dataset options, before any work (``default_prompt``: ``--prompt``'s default, which a dataset replaces)."""
     if args.output is None or not args.output.endswith(".jsonl"):
         raise ValueError(f"--dataset writes one JSON line per row: --output must name a .jsonl file, got "
                          f"{args.output!r}.")
@@ -47,8 +47,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.num_tree_nodes is not None and args.batch_size != 1:
         raise ValueError(f"--num-tree-nodes drafts a tree for one row, and --batch-size is {args.batch_size}: pass "
                          "--batch-size 1, or draft chains.")
-    if args.prompt_ids is not None:
-        raise ValueError("--prompt-ids and --dataset both say what to generate from: pass one.")
+    if args.prompt_ids is not None or args.prompt != default_prompt:
+        raise ValueError("--prompt (or --prompt-ids) and --dataset both say what to generate from: pass one.")
+    if args.compare:
+        raise ValueError("--compare times one prompt against target-only decoding; it does not run with --dataset "
+                         "(`hf-spec bench` compares methods over many prompts).")
 
 
 def load_column(source: str, split: str, column: str) -> list[str]:

@@ -69,13 +69,15 @@ def _inputs(args: argparse.Namespace, tokenizer) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.dataset is not None:
-        dataset.check_arguments(args)
+        dataset.check_arguments(args, DEFAULT_PROMPT)
         check_writable(args.output, "--output")
         report = dataset.run(args)
         if report is not None:  # the main process
+            acceptance = report["acceptance_rate"]
             emit(argparse.Namespace(**{**vars(args), "output": None}), report,
                  f"{report['rows_this_run']} rows generated ({report['rows']} in all) by {report['processes']} "
-                 f"process(es) in {report['seconds']:.1f} s; acceptance {report['acceptance_rate']}")
+                 f"process(es) in {report['seconds']:.1f} s; acceptance "
+                 f"{'-' if acceptance is None else f'{acceptance:.2f}'}")
         return 0
     if args.prompt_ids is None and not args.prompt.strip():
         raise ValueError("--prompt is empty: give a text to continue (or --prompt-ids).")
