@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,12 +29,21 @@ def ranks(tmp_path_factory):
     target = small_target_model()
     target.save_pretrained(root / "target")
     make_noisy_copy(target, seed=12, noise=1.0).save_pretrained(root / "draft")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_SPEC_COST_STORE": "off"}
+    # a clean environment: what earlier tests' libraries set in this process (a rank, a port) stays here
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "PYTHONPATH", "HF_HOME") if name in os.environ}
+    env |= {"OMP_NUM_THREADS": "1", "HF_SPEC_COST_STORE": "off", "HF_SPEC_LOAD_METER": "off"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NUM_RANKS),
                "-m", "hf_spec.evaluation.tensor_parallel", "--target", str(root / "target"),
                "--draft", str(root / "draft"), "--output", str(root / "out")]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
+    failures = []
+    for _ in range(2):  # once more only where a rank was killed by a signal (gloo aborted once in a full CI-like run)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False,
+                              cwd=Path(__file__).parent.parent)
+        if done.returncode == 0:
+            break
+        failures.append(done.stderr[-3000:])
+        assert "Signal" in done.stderr or "exitcode  : -" in done.stderr, done.stderr[-4000:]
+    assert done.returncode == 0, "\n---\n".join(failures)
     return [json.loads((root / "out" / f"rank{rank}.json").read_text()) for rank in range(NUM_RANKS)], target
 
 

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     report["perturbed"] = perturbed(target, draft, prompt, rank)
     Path(args.output).mkdir(parents=True, exist_ok=True)
     (Path(args.output) / f"rank{rank}.json").write_text(json.dumps(report))
+    # every rank done before the group goes: a process group left to the interpreter's exit can abort it
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def greedy_checks(target, draft, device, max_new_tokens: int) -> dict:
