@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hf_spec.cli.common import load_models, log, sampling
+from hf_spec.cli.common import load_models, log, positive_int, sampling
 from hf_spec.extras import require
 from hf_spec.stats import SpeculativeStats
 
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "--output then names the .jsonl file of results")
     group.add_argument("--split", default="train", help="the dataset's split")
     group.add_argument("--column", default="prompt", help="the column of prompts (a .txt file's is text)")
-    group.add_argument("--num-rows", type=int, default=None, help="only the first N rows")
-    group.add_argument("--batch-size", type=int, default=8, help="rows per generate() call (similar lengths)")
+    group.add_argument("--num-rows", type=positive_int, default=None, help="only the first N rows")
+    group.add_argument("--batch-size", type=positive_int, default=8, help="rows per generate() call (similar lengths)")
 
 
 def check_arguments(args: argparse.Namespace, default_prompt: str) -> None:
@@ -42,8 +42,6 @@ def check_arguments(args: argparse.Namespace, default_prompt: str) -> None:
     if args.output is None or not args.output.endswith(".jsonl"):
         raise ValueError(f"--dataset writes one JSON line per row: --output must name a .jsonl file, got "
                          f"{args.output!r}.")
-    if args.batch_size < 1 or (args.num_rows is not None and args.num_rows < 1):
-        raise ValueError(f"--batch-size and --num-rows must be positive, got {args.batch_size} and {args.num_rows}.")
     if args.num_tree_nodes is not None and args.batch_size != 1:
         raise ValueError(f"--num-tree-nodes drafts a tree for one row, and --batch-size is {args.batch_size}: pass "
                          "--batch-size 1, or draft chains.")
@@ -56,17 +54,17 @@ def check_arguments(args: argparse.Namespace, default_prompt: str) -> None:
 
 def load_column(source: str, split: str, column: str) -> list[str]:
     """Every row's ``column`` (rows stay numbered as in the dataset; a value that is not text is refused by row)."""
-    if source in ("humaneval", "humaneval-solutions"):
-        from hf_spec.loading.corpora import load_texts
+    from hf_spec.loading.corpora import FILE_BUILDERS, load_texts
 
+    if source in ("humaneval", "humaneval-solutions"):
         return load_texts(source)
     datasets = require("datasets", "cli", "--dataset")
     path = Path(source).expanduser()
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
     if path.is_file():
-        if path.suffix not in builders:
-            raise ValueError(f"--dataset {source}: unknown file type {path.suffix!r}; use one of {sorted(builders)}.")
-        dataset = datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+        if path.suffix not in FILE_BUILDERS:
+            raise ValueError(f"--dataset {source}: unknown file type {path.suffix!r}; use one of "
+                             f"{sorted(FILE_BUILDERS)}.")
+        dataset = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
         column = "text" if path.suffix == ".txt" else column
     elif (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
         dataset = datasets.load_from_disk(str(path))

@@ -20,7 +20,8 @@ from hf_spec.loading.pretrained import cache_dir
 from hf_spec.loading.wheels import download_wheels
 
 BUILT_IN = ("humaneval", "humaneval-solutions", "stdlib")
-_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+#: `datasets` builders by file suffix (what a text file of your own may be).
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def load_texts(source: str, column: str = "text", offset: int = 0, count: int | None = None) -> list[str]:
@@ -55,9 +56,10 @@ def _texts_from_file(path: Path, column: str) -> list[str]:
 
     if not path.is_file():
         raise ValueError(f"Dataset {str(path)!r} is neither a built-in name {BUILT_IN} nor a file.")
-    builder = _BUILDERS.get(path.suffix)
+    builder = FILE_BUILDERS.get(path.suffix)
     if builder is None:
-        raise ValueError(f"Dataset {str(path)!r}: unknown file type {path.suffix!r}; use one of {sorted(_BUILDERS)}.")
+        raise ValueError(f"Dataset {str(path)!r}: unknown file type {path.suffix!r}; use one of "
+                         f"{sorted(FILE_BUILDERS)}.")
     dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
     if column not in dataset.column_names:
         raise ValueError(f"Dataset {str(path)!r} has no column {column!r}; its columns: {dataset.column_names}.")
