@@ -30,6 +30,7 @@ __all__ = [
     "WHISPER_OVERRIDES",
     "attention_implementation",
     "check_generation_hooks",
+    "continuous_batching",
     "decoding_chain",
     "drop_gguf_quantizer",
     "encoder_ngram_bans",
@@ -44,6 +45,7 @@ __all__ = [
     "prepare_sequence_bias",
     "records_recurrent_states",
     "tensor_parallel_mesh",
+    "truncate_paged_request",
 ]
 
 #: The oldest and the newest transformers minor releases hf_spec is tested with (CI runs the whole suite on the newest
@@ -217,3 +219,38 @@ def tensor_parallel_mesh(model):
         return None
     mesh = model._device_mesh
     return mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
+
+
+def continuous_batching():
+    """transformers' continuous-batching engine (`transformers.generation.continuous_batching`), the module that
+    `hf_spec.serving` extends: its manager, batch processor, paged cache, input builder, request states and the config
+    helpers. ``ImportError`` naming the installed release where it lacks them."""
+    try:
+        from transformers.generation.continuous_batching import continuous_api, requests
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+        from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    except ImportError as error:
+        raise ImportError(f"Speculative continuous batching needs transformers' continuous-batching engine, which "
+                          f"transformers {transformers.__version__} lacks ({error}); install transformers "
+                          f"{TESTED_TRANSFORMERS[1]}.") from error
+    import types
+
+    return types.SimpleNamespace(
+        Manager=continuous_api.ContinuousBatchingManager, Processor=continuous_api.ContinuousBatchProcessor,
+        PagedAttentionCache=PagedAttentionCache, IOs=ContinuousBatchingIOs, RequestState=requests.RequestState,
+        RequestStatus=requests.RequestStatus, FutureRequestState=requests.FutureRequestState,
+        FULL_ATTENTION=FULL_ATTENTION)
+
+
+def truncate_paged_request(cache, request_id: str, length: int) -> None:
+    """Give a request's paged-cache blocks past its first ``length`` tokens back to the pool: the rollback of a
+    `PagedAttentionCache` (transformers has none). Reaches each allocator's ``block_table``, ``tokens_per_page``,
+    ``ledger`` and ``pool``; the request's ``position_offset`` (set by the caller) is what bounds its reads."""
+    for allocator in cache.cache_allocators.values():
+        blocks = allocator.block_table.get(request_id)
+        if blocks is None:
+            continue
+        keep = -(-length // allocator.tokens_per_page)  # ceil
+        dropped, blocks[keep:] = blocks[keep:], []
+        allocator.pool.free_blocks(allocator.index, [block for block in dropped if allocator.ledger.release(block)])

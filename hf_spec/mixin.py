@@ -76,6 +76,9 @@ class _Call:
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_spec_call", default=None)
 #: Models that run transformers' own assisted decoding in the current context (`without_speculation`), by id.
+#: The draft a `generate_batch` call hands its `init_continuous_batching` (transformers passes no extra argument on).
+_BATCHING_DRAFT: contextvars.ContextVar[tuple[Any, Any, Any]] = contextvars.ContextVar("hf_spec_batching",
+                                                                                    default=(None, None, None))
 _WITHOUT_SPECULATION: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("hf_spec_off",
                                                                                      default=frozenset())
 
@@ -228,6 +231,30 @@ class SpeculativeGenerationMixin(GenerationMixin):
         fit_prompt(target_cache, input_ids.shape[1])
         pad_token = pad_token_tensor(generation_config)
         return target_cache, 0 if pad_token is None else int(pad_token.view(-1)[0])
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None,
+                                 *, assistant_model=None, num_assistant_tokens: int | None = None,
+                                 verification: Any = None):
+        """transformers' continuous batching; with an ``assistant_model`` (here or from `generate_batch`), each step
+        speculates exactly (`hf_spec.serving`)."""
+        if assistant_model is None:
+            assistant_model, num_assistant_tokens, verification = _BATCHING_DRAFT.get()
+        if assistant_model is None:
+            return super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+        from hf_spec.serving import speculative_batching_manager
+
+        return speculative_batching_manager(self, assistant_model, generation_config, continuous_batching_config,
+                                            workload_hints, num_assistant_tokens, verification)
+
+    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, *args,
+                       assistant_model=None, num_assistant_tokens: int | None = None, verification: Any = None,
+                       **kwargs):
+        """transformers' `generate_batch`; with an ``assistant_model``, through `init_continuous_batching` above."""
+        token = _BATCHING_DRAFT.set((assistant_model, num_assistant_tokens, verification))
+        try:
+            return super().generate_batch(inputs, generation_config, continuous_batching_config, *args, **kwargs)
+        finally:
+            _BATCHING_DRAFT.reset(token)
 
     def __reduce__(self):
         """Pickled as the original class's object, made speculative again when loaded (`torch.save` too)."""

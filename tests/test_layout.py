@@ -23,7 +23,7 @@ import hf_spec
 
 ROOT = Path(hf_spec.__file__).parent
 #: The tool packages, each allowed to import only the algorithm and the tools before it.
-TOOLS = ("heads", "loading", "evaluation", "bench", "cli")
+TOOLS = ("heads", "loading", "evaluation", "serving", "bench", "cli")
 ENTRY_POINTS = {"__main__.py"}  # ``python -m hf_spec`` is the command line's entry point
 ALGORITHM = sorted(path for path in [*ROOT.glob("*.py"), *(ROOT / "drafting").glob("*.py"),
                                      *(ROOT / "sizing").glob("*.py"), *(ROOT.parent / "logits_processors").glob("*.py")]
@@ -36,7 +36,9 @@ FACADE, LAZY_EXPORTS = ROOT / "__init__.py", {"hf_spec.heads", "hf_spec.heads.Dr
                                                "hf_spec.loading.pair"}
 #: And the saved format's loader, which builds the loading tool's layers when transformers loads a model saved on them
 #: (run by ``from_pretrained``, never at import).
-LAZY_IMPORTS = {FACADE: LAZY_EXPORTS, ROOT / "saved_layers.py": {
+LAZY_IMPORTS = {FACADE: LAZY_EXPORTS, ROOT / "mixin.py": {"hf_spec.serving",
+                                                            "hf_spec.serving.speculative_batching_manager"},
+                ROOT / "saved_layers.py": {
     "hf_spec.loading.gguf_weights", "hf_spec.loading.gguf_weights.TYPES", "hf_spec.loading.gguf_weights.GGUFLinear",
     "hf_spec.loading.weight_only", "hf_spec.loading.weight_only.WeightOnlyLinear"}}
 
