@@ -94,3 +94,23 @@ def test_whispers_overridden_method_keeps_the_parameters_hf_spec_relies_on():
         assert set(expected) <= set(inspect.signature(getattr(WhisperGenerationMixin, name)).parameters)
     source = inspect.getsource(WhisperGenerationMixin.generate)
     assert "generation_config.begin_suppress_tokens = None" in source, "Whisper no longer drops them: drop the override"
+
+
+def test_continuous_batching_engine_and_paged_rollback():
+    engine = compat.continuous_batching()
+    assert hasattr(engine.Manager, "_create_batch_processor") and hasattr(engine.Processor, "update_batch")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    config = ContinuousBatchingConfig(num_blocks=8, page_size=4, max_memory_percent=0.1, max_batch_tokens=16)
+    cache = engine.PagedAttentionCache(make_tiny_model(seed=0).config, config, "cpu",
+                                       DistributedHelper(device_mesh=None, cpu_group_timeout=None), dtype=torch.float32)
+    allocator = cache.cache_allocators[engine.FULL_ATTENTION]
+    assert cache.can_store_request_tokens(engine.RequestState(request_id="r", initial_tokens=[]), 10)  # 3 pages of 4
+    assert len(allocator.block_table["r"]) == 3
+    free = cache.pool.count_free_blocks(allocator.index)
+    compat.truncate_paged_request(cache, "r", 5)  # 2 pages kept, 1 back to the pool
+    assert len(allocator.block_table["r"]) == 2
+    assert cache.pool.count_free_blocks(allocator.index) == free + 1
+    cache.free_blocks("r")
+    assert cache.pool.count_free_blocks(allocator.index) == free + 3
