@@ -29,6 +29,7 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "WHISPER_OVERRIDES",
     "attention_implementation",
+    "cached_batching_manager",
     "check_generation_hooks",
     "continuous_batching",
     "decoding_chain",
@@ -39,6 +40,7 @@ __all__ = [
     "is_rewired_by_universal_assisted_generation",
     "merged_generation_config",
     "modules_kept_in_full_precision",
+    "next_request_id",
     "num_beams",
     "pad_token_tensor",
     "prefix_allowed_tokens",
@@ -223,8 +225,10 @@ def tensor_parallel_mesh(model):
 
 def continuous_batching():
     """transformers' continuous-batching engine (`transformers.generation.continuous_batching`), the module that
-    `hf_spec.serving` extends: its manager, batch processor, paged cache, input builder, request states and the config
-    helpers. ``ImportError`` naming the installed release where it lacks them."""
+    `hf_spec.serving` extends: its manager, batch processor, paged cache, input builder and request states.
+    `hf_spec.serving.batching` overrides the manager's private ``_create_batch_processor`` and the processor's
+    ``_generation_step``, and reads the processor's ``model_runner``, ``inputs_and_outputs`` and ``scheduler``.
+    ``ImportError`` naming the installed release where it lacks them."""
     try:
         from transformers.generation.continuous_batching import continuous_api, requests
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -254,3 +258,18 @@ def truncate_paged_request(cache, request_id: str, length: int) -> None:
         keep = -(-length // allocator.tokens_per_page)  # ceil
         dropped, blocks[keep:] = blocks[keep:], []
         allocator.pool.free_blocks(allocator.index, [block for block in dropped if allocator.ledger.release(block)])
+
+
+def cached_batching_manager(model):
+    """The continuous-batching manager a model keeps from an earlier session (``persistent_manager=True``), or
+    ``None``: ``model._cached_continuous_batching_manager``."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+def next_request_id(manager) -> str:
+    """The id ``add_request`` would give a request without one (``req_N``), taken under the manager's lock:
+    ``ContinuousBatchingManager._request_lock`` and ``_request_counter``."""
+    with manager._request_lock:
+        request_id = f"req_{manager._request_counter}"
+        manager._request_counter += 1
+    return request_id

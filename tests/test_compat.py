@@ -114,3 +114,12 @@ def test_continuous_batching_engine_and_paged_rollback():
     assert cache.pool.count_free_blocks(allocator.index) == free + 1
     cache.free_blocks("r")
     assert cache.pool.count_free_blocks(allocator.index) == free + 3
+
+
+def test_request_ids_and_the_cached_manager():
+    model = make_tiny_model(seed=0)
+    assert compat.cached_batching_manager(model) is None
+    manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=2, eos_token_id=-1))
+    first, second = compat.next_request_id(manager), compat.next_request_id(manager)
+    assert (first, second) == ("req_0", "req_1")
+    assert manager._create_batch_processor and compat.continuous_batching().Processor._generation_step

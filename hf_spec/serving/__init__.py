@@ -9,6 +9,7 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
+from hf_spec.compat import cached_batching_manager
 from hf_spec.serving.batching import REQUEST_SETTINGS, SpeculativeBatchingManager
 
 __all__ = ["REQUEST_SETTINGS", "SpeculativeBatchingManager", "speculative_batching_manager"]
@@ -23,7 +24,7 @@ def speculative_batching_manager(model: PreTrainedModel, assistant_model: Any,
     """What ``model.init_continuous_batching(assistant_model=...)`` returns: a manager whose steps speculate."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    cached = getattr(model, "_cached_continuous_batching_manager", None)
+    cached = cached_batching_manager(model)
     if cached is not None:
         if isinstance(cached, SpeculativeBatchingManager) and cached.draft is assistant_model:
             return cached

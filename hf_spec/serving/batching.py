@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
-from hf_spec.compat import continuous_batching, decoding_chain, truncate_paged_request
+from hf_spec.compat import (
+    attention_implementation,
+    continuous_batching,
+    decoding_chain,
+    next_request_id,
+    truncate_paged_request,
+)
 from hf_spec.rejection import accept_greedy, sample_from_weights
 from hf_spec.verification import Verification, resolve_verification
 from logits_processors import check_processors, process_block, process_step
@@ -161,7 +167,8 @@ class SpeculativeBatchProcessor(_CB.Processor):
         for state, speculation in decoding:
             self._roll_back_draft(speculation)
             speculation.drafts, speculation.draft_probs = [], []
-            tokens_left = state._new_tokens_limit - state.generated_len() - 1  # the block's last token is the target's
+            limit = state.max_new_tokens if state.max_new_tokens is not None else speculation.num_assistant_tokens + 1
+            tokens_left = limit - state.generated_len() - 1  # the block's last token is the target's
             wanted[state.request_id] = max(0, min(speculation.num_assistant_tokens, tokens_left))
         while True:
             batch = self._draft_pass_batch(decoding, wanted)
@@ -290,7 +297,7 @@ class SpeculativeBatchingManager(_CB.Manager):
         config.max_blocks_per_request = 0  # one varlen path: blocks are longer than one token
         self.draft = draft.eval()
         self.num_assistant_tokens = num_assistant_tokens
-        self._draft_attn = draft.config._attn_implementation
+        self._draft_attn = attention_implementation(draft)
         if self._draft_attn == "eager":
             draft.set_attn_implementation("paged|eager")
         self._speculations: dict[str, RequestSpeculation] = {}
@@ -312,9 +319,7 @@ class SpeculativeBatchingManager(_CB.Manager):
             raise ValueError(f"add_request() got settings speculative continuous batching does not know: {unknown}; "
                              f"it takes {sorted(REQUEST_SETTINGS)}.")
         if request_id is None:
-            with self._request_lock:
-                request_id = f"req_{self._request_counter}"
-                self._request_counter += 1
+            request_id = next_request_id(self)
         max_new_tokens = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         speculation = self._new_speculation(request_id, list(input_ids), max_new_tokens, eos_token_id, settings)
         with self._speculations_lock:
@@ -369,7 +374,7 @@ class SpeculativeBatchingManager(_CB.Manager):
 
     def stop(self, *args, **kwargs) -> None:
         super().stop(*args, **kwargs)
-        if self.draft.config._attn_implementation != self._draft_attn:
+        if attention_implementation(self.draft) != self._draft_attn:
             self.draft.set_attn_implementation(self._draft_attn)
 
 
