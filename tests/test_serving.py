@@ -3,6 +3,7 @@ mid-flight, blocks cut by the token budget, a small cache, cancellations, stream
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -35,6 +36,17 @@ def target_only(target, prompt: list[int], **settings) -> list[int]:
     return output[0, len(prompt):].tolist()
 
 
+@contextlib.contextmanager
+def running(target, draft, config: GenerationConfig, cache: ContinuousBatchingConfig | None = None, **speculation):
+    """A started speculative manager, stopped on the way out whatever happened."""
+    manager = target.init_continuous_batching(config, cache or small_cache(), assistant_model=draft, **speculation)
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=True)
+
+
 def results_of(manager, request_ids: list[str], timeout: float = 60.0) -> dict:
     results, deadline = {}, time.monotonic() + timeout
     while len(results) < len(request_ids) and time.monotonic() < deadline:
@@ -62,18 +74,14 @@ def test_requests_joining_mid_flight_with_their_own_limits_and_eos(pair):
     target, draft = pair
     reference = target_only(target, PROMPTS[0], max_new_tokens=10)
     eos = reference[4]  # a token the first prompt emits: that request stops there
-    manager = target.init_continuous_batching(GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1),
-                                              small_cache(), assistant_model=draft, num_assistant_tokens=4)
-    manager.start()
-    try:
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1)
+    with running(target, draft, config, num_assistant_tokens=4) as manager:
         ids = [manager.add_request(PROMPTS[0], eos_token_id=eos)]
         time.sleep(0.05)
         ids.append(manager.add_request(PROMPTS[1], max_new_tokens=7))
         time.sleep(0.02)
         ids += [manager.add_request(prompt, max_new_tokens=3 + i) for i, prompt in enumerate(PROMPTS[2:])]
         results = results_of(manager, ids)
-    finally:
-        manager.stop(block=True)
     assert results[ids[0]].generated_tokens == reference[: reference.index(eos) + 1]
     assert results[ids[1]].generated_tokens == target_only(target, PROMPTS[1], max_new_tokens=7)
     for i, prompt in enumerate(PROMPTS[2:]):
@@ -83,10 +91,7 @@ def test_requests_joining_mid_flight_with_their_own_limits_and_eos(pair):
 
 def test_a_cancelled_request_leaves_and_the_others_stay_exact(pair):
     target, draft = pair
-    manager = target.init_continuous_batching(GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=-1),
-                                              small_cache(), assistant_model=draft)
-    manager.start()
-    try:
+    with running(target, draft, GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=-1)) as manager:
         cancelled = manager.add_request(PROMPTS[2], max_new_tokens=200, streaming=True)
         kept = manager.add_request(PROMPTS[4])
         for output in manager.request_id_iter(cancelled):
@@ -94,23 +99,17 @@ def test_a_cancelled_request_leaves_and_the_others_stay_exact(pair):
                 break
         manager.cancel_request(cancelled)
         results = results_of(manager, [kept])
-    finally:
-        manager.stop(block=True)
+        processor = manager.batch_processor  # stop() lets go of it
     assert results[kept].generated_tokens == target_only(target, PROMPTS[4], max_new_tokens=30)
-    processor = manager.batch_processor
-    assert processor is None or not processor.draft_cache.cache_allocators["full_attention"].block_table
+    assert not processor.draft_cache.cache_allocators["full_attention"].block_table  # the draft blocks left too
+    assert not manager._speculations
 
 
 def test_streams_deliver_growing_prefixes(pair):
     target, draft = pair
-    manager = target.init_continuous_batching(GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=-1),
-                                              small_cache(), assistant_model=draft)
-    manager.start()
-    try:
+    with running(target, draft, GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=-1)) as manager:
         request_id = manager.add_request(PROMPTS[1], streaming=True)
         seen = [list(output.generated_tokens) for output in manager.request_id_iter(request_id)]
-    finally:
-        manager.stop(block=True)
     assert seen[-1] == target_only(target, PROMPTS[1], max_new_tokens=9)
     assert all(a == b[: len(a)] and len(a) < len(b) for a, b in itertools.pairwise(seen))
 
@@ -118,20 +117,15 @@ def test_streams_deliver_growing_prefixes(pair):
 def _sample_requests(target, draft, settings: dict, seed: int, verification=None) -> np.ndarray:
     """NUM_SAMPLES requests of `PROMPT`, each with its own seed, arriving in four waves while the batch runs."""
     config = GenerationConfig(**with_length(settings), do_sample=True, eos_token_id=-1)
-    manager = target.init_continuous_batching(config, ContinuousBatchingConfig(num_blocks=512, page_size=8,
-                                                                               max_batch_tokens=512),
-                                              assistant_model=draft, num_assistant_tokens=2, verification=verification)
+    cache = ContinuousBatchingConfig(num_blocks=512, page_size=8, max_batch_tokens=512)
     prompt = PROMPT[0].tolist()
-    manager.start()
-    try:
+    with running(target, draft, config, cache, num_assistant_tokens=2, verification=verification) as manager:
         ids = []
         for wave in range(4):
             ids += [manager.add_request(prompt, seed=seed * NUM_SAMPLES + i)
                     for i in range(wave * NUM_SAMPLES // 4, (wave + 1) * NUM_SAMPLES // 4)]
             time.sleep(0.05)
         results = results_of(manager, ids, timeout=300)
-    finally:
-        manager.stop(block=True)
     return np.array([results[request_id].generated_tokens for request_id in ids])
 
 
@@ -155,13 +149,9 @@ def test_a_seed_reproduces_a_request_whatever_shares_its_batch(pair):
     config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.5, eos_token_id=-1)
 
     def run(prompts: list[list[int]]) -> list[int]:
-        manager = target.init_continuous_batching(config, small_cache(), assistant_model=draft)
-        manager.start()
-        try:
+        with running(target, draft, config) as manager:
             ids = [manager.add_request(prompt, seed=7 if i == 0 else 100 + i) for i, prompt in enumerate(prompts)]
             return results_of(manager, ids)[ids[0]].generated_tokens
-        finally:
-            manager.stop(block=True)
 
     alone = run(PROMPTS[:1])
     assert run(PROMPTS) == alone
