@@ -34,6 +34,7 @@ __all__ = [
     "continuous_batching",
     "decoding_chain",
     "drop_gguf_quantizer",
+    "drop_result_handler",
     "encoder_ngram_bans",
     "forgetting_output_capture",
     "ignores_recurrent_recording",
@@ -264,6 +265,14 @@ def cached_batching_manager(model):
     """The continuous-batching manager a model keeps from an earlier session (``persistent_manager=True``), or
     ``None``: ``model._cached_continuous_batching_manager``."""
     return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+def drop_result_handler(manager, request_id: str) -> None:
+    """Forget the result handler of a request that was cancelled (transformers drops it only once the request
+    finishes): ``ContinuousBatchingManager.output_router.result_handlers`` under its ``_lock``."""
+    router = manager.output_router
+    with router._lock:
+        router.result_handlers.pop(request_id, None)
 
 
 def next_request_id(manager) -> str:

@@ -8,6 +8,7 @@ missing one gives.
 - ``train``: ``datasets``, ``evaluate``, ``peft``, ``accelerate`` (``Trainer``), ``matplotlib`` (``hf-spec distill``,
   ``hf-spec train-head``, ``hf-spec eval-draft``);
 - ``quantization``: ``bitsandbytes``, ``accelerate`` (``--quantize``);
+- ``serve``: ``fastapi``, ``uvicorn`` (``hf-spec serve``);
 - ``notebooks`` and ``test``: what running the notebooks and the test suite needs.
 """
 
@@ -22,6 +23,7 @@ EXTRAS = {
     "cli": ("gguf", "datasets", "matplotlib"),
     "train": ("datasets", "evaluate", "peft", "accelerate", "matplotlib"),
     "quantization": ("bitsandbytes", "accelerate"),
+    "serve": ("fastapi", "uvicorn"),
 }
 
 

@@ -122,4 +122,8 @@ def test_request_ids_and_the_cached_manager():
     manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=2, eos_token_id=-1))
     first, second = compat.next_request_id(manager), compat.next_request_id(manager)
     assert (first, second) == ("req_0", "req_1")
+    manager.output_router.result_handlers["r"] = (print, None)  # what register_result_handler leaves until the end
+    compat.drop_result_handler(manager, "r")
+    compat.drop_result_handler(manager, "r")  # a second time: nothing left, no error
+    assert "r" not in manager.output_router.result_handlers
     assert manager._create_batch_processor and compat.continuous_batching().Processor._generation_step

@@ -72,6 +72,9 @@ def test_the_command_line_runs_and_names_missing_extras(bare):
     distill = subprocess.run([hf_spec, "distill", "--target", "tiny", "--draft", "tiny", "--output-dir", "d"],
                              capture_output=True, text=True, cwd=bare, check=False)
     assert distill.returncode == 2 and "needs `pip install hf_spec[train]`" in distill.stderr, distill.stderr
+    serve = subprocess.run([hf_spec, "serve", "--target", "tiny", "--draft", "tiny"], capture_output=True, text=True,
+                           cwd=bare, check=False)
+    assert serve.returncode == 2 and "needs `pip install hf_spec[serve]`" in serve.stderr, serve.stderr
 
 
 def readme_command(number: int) -> str:

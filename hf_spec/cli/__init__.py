@@ -16,10 +16,10 @@ import sys
 from transformers.utils import logging as transformers_logging
 
 from hf_spec import __version__
-from hf_spec.cli import bench, distill, eval_draft, generate, train_head
+from hf_spec.cli import bench, distill, eval_draft, generate, serve, train_head
 from hf_spec.loading.pair import model_name
 
-SUBCOMMANDS = (generate, bench, eval_draft, distill, train_head)
+SUBCOMMANDS = (generate, serve, bench, eval_draft, distill, train_head)
 
 
 class _Parser(argparse.ArgumentParser):
