@@ -65,7 +65,7 @@ def test_k_auto_and_the_usual_aliases(capsys):
     (["generate", *TINY, "--output", "/no/such/folder/out.json"], "--output /no/such/folder/out.json: the folder"),
     (["bench", *TINY, "--plot", "/no/such/folder/b.png"], "--plot /no/such/folder/b.png: the folder"),
     (["eval-draft", *TINY, "--cost-ratio", "-1"], "--cost-ratio: must be a number > 0, got -1"),
-    (["serve", "--target", "tiny", "--draft", "tiny", "-k", "auto"], "--num-assistant-tokens auto is not available"),
+    (["serve", "--target", "tiny", "--draft", "tiny", "--port", "70000"], "--port: must be a port number"),
     (["train-head", "--target", "tiny", "--output-dir", "/proc/no/such/x"], "--output-dir /proc/no/such/x: cannot"),
     (["train-head", "--target", "tiny", "--output-dir", "OUT", "--feature-layers", "99"], "--feature-layers 99"),
     (["train-head", "--target", "tiny", "--output-dir", "OUT", "--ttt-decay", "1.5"], "--ttt-decay must be in (0, 1]"),

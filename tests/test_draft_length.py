@@ -496,3 +496,63 @@ def test_bad_num_assistant_tokens_names_auto(pair, value):
     target, draft = pair
     with pytest.raises(ValueError, match="positive integer, 'auto' or an AutoDraftLength, but is"):
         target.generate(torch.tensor([[1, 2]]), assistant_model=draft, max_new_tokens=3, num_assistant_tokens=value)
+
+
+# -- a continuous batch: k per request (hf_spec.sizing.batch) -------------------------------------------------------
+
+def _batch_rate(lengths, acceptance, fixed, target, draft):
+    from hf_spec.sizing.speedup import expected_tokens
+
+    tokens = sum(expected_tokens(a, k) for a, k in zip(acceptance, lengths, strict=True))
+    passes = sum(draft(sum(k >= j for k in lengths)) for j in range(1, max(lengths, default=0) + 1))
+    n = len(lengths)
+    return tokens / (target(n) + target(fixed + n + sum(lengths)) - target(fixed + n) + passes)
+
+
+def test_batch_draft_lengths_match_an_exhaustive_search():
+    import itertools
+    import random
+
+    from hf_spec.sizing.batch import batch_draft_lengths
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 3)
+        acceptance = [rng.random() for _ in range(n)]
+        caps = [rng.randint(0, 4) for _ in range(n)]
+        fixed = rng.choice([0, 0, 20])
+        a, b, c, d = rng.uniform(0.01, 0.2), rng.uniform(0, 0.05), rng.uniform(0, 0.1), rng.uniform(0, 0.02)
+        target, draft = (lambda size: a + b * size), (lambda width: c + d * width)
+        chosen = batch_draft_lengths(acceptance, caps, fixed, target, draft)
+        assert all(0 <= k <= cap for k, cap in zip(chosen, caps, strict=True))
+        best = max(_batch_rate(list(ks), acceptance, fixed, target, draft)
+                   for ks in itertools.product(*(range(cap + 1) for cap in caps)))
+        assert _batch_rate(chosen, acceptance, fixed, target, draft) >= 0.995 * best
+
+
+def test_batch_draft_lengths_go_to_zero_where_a_pass_costs_per_token():
+    from hf_spec.sizing.batch import batch_draft_lengths
+
+    flat, per_token = (lambda size: 0.1 + 0.001 * size), (lambda size: 0.1 * size)
+    cheap_draft = lambda width: 0.01 + 0.001 * width  # noqa: E731
+    assert min(batch_draft_lengths([0.9] * 4, [8] * 4, 0, flat, cheap_draft)) >= 6  # memory-bound: deep blocks
+    assert batch_draft_lengths([0.9] * 4, [8] * 4, 0, per_token, cheap_draft) == [0] * 4  # compute-bound: none
+    assert batch_draft_lengths([0.9, 0.05], [8, 8], 0, flat, cheap_draft)[1] < 2  # a request the draft misses
+    assert batch_draft_lengths([0.9] * 2, [8] * 2, 300, per_token, cheap_draft) == [0] * 2  # beside a prefill too
+
+
+def test_batch_sizer_learns_costs_and_acceptance_and_forgets_towards_the_prior():
+    from hf_spec.sizing.batch import PRIOR_ACCEPTANCE, WARMUP_DRAFT_TOKENS, BatchDraftLengths
+
+    sizer = BatchDraftLengths()
+    record = sizer.new_request()
+    assert sizer.lengths([record], [8], 0) == [WARMUP_DRAFT_TOKENS]  # costs unknown
+    assert sizer.acceptance(record) == pytest.approx(PRIOR_ACCEPTANCE)
+    for _ in range(5):  # every pass costs per token: drafting cannot pay
+        sizer.add_target_pass(1, 0.1), sizer.add_target_pass(4, 0.4), sizer.add_draft_pass(1, 0.05)
+        sizer.observe(record, 3, 3)
+    assert sizer.acceptance(record) > 0.9
+    assert sizer.lengths([record], [8], 0) == [0]
+    for _ in range(60):
+        sizer.observe(record, 0, 0), sizer.end_step(observed=False)
+    assert sizer.acceptance(record) == pytest.approx(PRIOR_ACCEPTANCE, abs=0.01)

@@ -114,12 +114,12 @@ def test_streams_deliver_growing_prefixes(pair):
     assert all(a == b[: len(a)] and len(a) < len(b) for a, b in itertools.pairwise(seen))
 
 
-def _sample_requests(target, draft, settings: dict, seed: int, verification=None) -> np.ndarray:
+def _sample_requests(target, draft, settings: dict, seed: int, verification=None, k=2) -> np.ndarray:
     """NUM_SAMPLES requests of `PROMPT`, each with its own seed, arriving in four waves while the batch runs."""
     config = GenerationConfig(**with_length(settings), do_sample=True, eos_token_id=-1)
     cache = ContinuousBatchingConfig(num_blocks=512, page_size=8, max_batch_tokens=512)
     prompt = PROMPT[0].tolist()
-    with running(target, draft, config, cache, num_assistant_tokens=2, verification=verification) as manager:
+    with running(target, draft, config, cache, num_assistant_tokens=k, verification=verification) as manager:
         ids = []
         for wave in range(4):
             ids += [manager.add_request(prompt, seed=seed * NUM_SAMPLES + i)
@@ -132,8 +132,9 @@ def _sample_requests(target, draft, settings: dict, seed: int, verification=None
 SAMPLED = {"temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
 
 
-def test_sampled_requests_arriving_mid_flight_follow_the_target_law(small_target, small_draft):
-    samples = _sample_requests(small_target, small_draft, SAMPLED, seed=1)
+@pytest.mark.parametrize("k", [2, "auto"])
+def test_sampled_requests_arriving_mid_flight_follow_the_target_law(small_target, small_draft, k):
+    samples = _sample_requests(small_target, small_draft, SAMPLED, seed=1, k=k)
     result = fit_sequences(samples, exact_law(small_target, SAMPLED, []))
     assert result.is_consistent, result
 
@@ -158,6 +159,29 @@ def test_a_seed_reproduces_a_request_whatever_shares_its_batch(pair):
     assert run([PROMPTS[0], *PROMPTS[3:]]) == alone
 
 
+def _fixed_costs(manager, target_seconds, draft_seconds) -> None:
+    """The sizer sees these pass costs (sizes 1 to 64) and no timing of its own."""
+    for size in (1, 64):
+        manager.sizer.add_target_pass(size, target_seconds(size))
+        manager.sizer.add_draft_pass(size, draft_seconds(size))
+    manager.sizer.add_target_pass = manager.sizer.add_draft_pass = lambda *_: None
+
+
+@pytest.mark.parametrize(("target_seconds", "drafts"), [(lambda n: 0.1 + 0.001 * n, True),  # memory-bound
+                                                        (lambda n: 0.1 * n, False)])  # compute-bound
+def test_auto_k_per_request_drafts_where_it_pays_and_stays_exact(pair, target_seconds, drafts):
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=-1)
+    with running(target, draft, config, num_assistant_tokens="auto") as manager:
+        _fixed_costs(manager, target_seconds, lambda n: 0.01 + 0.001 * n)
+        ids = [manager.add_request(prompt) for prompt in PROMPTS]
+        results = results_of(manager, ids)
+    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+        assert results[request_id].generated_tokens == target_only(target, prompt, max_new_tokens=14)
+    drafted = [results[request_id].speculative_stats["num_drafted"] for request_id in ids]
+    assert all(drafted) if drafts else not any(drafted)
+
+
 def test_a_cache_too_small_for_every_block_makes_requests_wait_not_fail(pair):
     target, draft = pair
     config = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=-1)
@@ -176,6 +200,8 @@ def test_refusals_name_the_argument(pair):
         target.init_continuous_batching(config, assistant_model=make_tiny_model(seed=4, vocab_size=128))
     with pytest.raises(ValueError, match="num_assistant_tokens"):
         target.init_continuous_batching(config, assistant_model=draft, num_assistant_tokens=-1)
+    with pytest.raises(ValueError, match="'auto'"):
+        target.init_continuous_batching(config, assistant_model=draft, num_assistant_tokens="fast")
     with pytest.raises(ValueError, match="use_async_batching"):
         target.init_continuous_batching(config, ContinuousBatchingConfig(use_async_batching=True),
                                         assistant_model=draft)

@@ -21,7 +21,7 @@ def add_parser(commands) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name requests give as `model` (default: "
                         "--target)")
     parser.add_argument("--max-tokens", type=positive_int, default=256, help="a request's limit when it sets none")
@@ -32,14 +32,17 @@ def add_parser(commands) -> None:
                         help="tokens one target pass takes at most (prefill chunks and verification blocks)")
     parser.add_argument("--no-speculation", action="store_true",
                         help="serve transformers' continuous batching without a draft (greedy requests only)")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, num_assistant_tokens="auto")  # k per request and step, 0 where drafting cannot pay
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number in [1, 65535], got {text}")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
     require_extra("serve", "hf-spec serve")
-    if args.num_assistant_tokens == "auto":
-        raise ValueError("--num-assistant-tokens auto is not available to hf-spec serve yet: give a fixed k "
-                         "(each request may set its own `num_assistant_tokens`).")
     import uvicorn
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig

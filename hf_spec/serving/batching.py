@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ from hf_spec.compat import (
     truncate_paged_request,
 )
 from hf_spec.rejection import accept_greedy, sample_from_weights
+from hf_spec.sizing.batch import MAX_BATCH_DRAFT_TOKENS, BatchDraftLengths
+from hf_spec.sizing.costs import synchronize
+from hf_spec.sizing.estimates import DecayedMean
 from hf_spec.verification import Verification, resolve_verification
 from logits_processors import check_processors, process_block, process_step
 
@@ -47,7 +51,8 @@ class RequestSpeculation:
     processors: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator
-    num_assistant_tokens: int
+    num_assistant_tokens: int | str  # k, or "auto": chosen each step (`hf_spec.sizing.batch`)
+    acceptance: DecayedMean  # accepted / reached drafts, forgetting (for "auto")
     draft_state: Any  # a transformers RequestState for the draft's paged cache: its position_offset = len(draft_fed)
     draft_fed: list[int] = dataclasses.field(default_factory=list)  # the tokens the draft cache holds, in order
     drafts: list[int] = dataclasses.field(default_factory=list)  # this step's draft tokens
@@ -93,7 +98,7 @@ class SpeculativeBatchProcessor(_CB.Processor):
         processor.draft_io = _CB.IOs(cache=processor.draft_cache, config=manager.draft.config.get_text_config(),
                                      continuous_batching_config=draft_config, device=manager.draft.device,
                                      model_dtype=manager.draft.dtype, logit_processor=processor.logit_processor)
-        processor.verified = []
+        processor.verified, processor.pass_tokens = [], 0
         return processor
 
     def reset(self) -> None:
@@ -116,16 +121,20 @@ class SpeculativeBatchProcessor(_CB.Processor):
         batch_data = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
         rows = [v.first_logit + i for v in self.verified for i in range(v.num_drafts + 1)]
         batch_data["logits_to_keep"] = torch.tensor(rows, dtype=torch.int64, device=self.model_device)
+        started = time.perf_counter()
         self.target_logits = model(**batch_data).logits[0].float()  # [rows, vocab]
+        synchronize(self.target_logits.device)
+        self.manager.sizer.add_target_pass(self.pass_tokens, time.perf_counter() - started)
 
     def update_batch(self) -> None:
-        pending_outputs, row = [], 0
+        pending_outputs, row, observed = [], 0, False
         for verified in self.verified:
             state, speculation = verified.state, verified.speculation
             logits = self.target_logits[row: row + verified.num_drafts + 1]  # [n + 1, vocab]
             row += verified.num_drafts + 1
             emitted, num_accepted = self._accept(speculation, verified.num_drafts, logits)  # 4. accept
-            if state.generated_len() == 0:
+            was_decoding = state.generated_len() > 0
+            if not was_decoding:
                 state.status = _CB.RequestStatus.DECODING
             is_finished = False
             for token in emitted:
@@ -136,6 +145,9 @@ class SpeculativeBatchProcessor(_CB.Processor):
             speculation.num_steps += 1
             speculation.num_drafted += verified.num_drafts
             speculation.num_accepted += num_accepted
+            if was_decoding:  # not the first token after a prefill
+                self.manager.sizer.observe(speculation.acceptance, verified.num_drafts, num_accepted)
+                observed = observed or verified.num_drafts > 0
             if is_finished:
                 self.scheduler.finish_request(state.request_id)
                 self.scheduler.block_new_requests = False
@@ -146,6 +158,7 @@ class SpeculativeBatchProcessor(_CB.Processor):
                 output = state.to_generation_output()
                 output.speculative_stats = speculation.stats()
                 pending_outputs.append(output)
+        self.manager.sizer.end_step(observed)
         self._forget_finished()
         if pending_outputs:
             self.output_router.deliver_batch(pending_outputs)
@@ -163,13 +176,10 @@ class SpeculativeBatchProcessor(_CB.Processor):
         """Draft each decoding request's block in flat draft passes; then offer ``[last] + drafts`` to the scheduler
         (cut to ``[last]`` when its cache could not hold the block)."""
         decoding = self._decoding()
-        wanted = {}
-        for state, speculation in decoding:
+        for _, speculation in decoding:
             self._roll_back_draft(speculation)
             speculation.drafts, speculation.draft_probs = [], []
-            limit = state.max_new_tokens if state.max_new_tokens is not None else speculation.num_assistant_tokens + 1
-            tokens_left = limit - state.generated_len() - 1  # the block's last token is the target's
-            wanted[state.request_id] = max(0, min(speculation.num_assistant_tokens, tokens_left))
+        wanted = self._draft_lengths(decoding)
         while True:
             batch = self._draft_pass_batch(decoding, wanted)
             if not batch:
@@ -181,6 +191,30 @@ class SpeculativeBatchProcessor(_CB.Processor):
                 speculation.drafts, speculation.draft_probs = [], []
                 block = block[:1]
             state.tokens_to_process = block
+
+    def _draft_lengths(self, decoding) -> dict[str, int]:
+        """Each decoding request's k this step: its own, or for "auto" the sizer's choice over the batch (the other
+        requests' blocks and the prefills waiting count as the pass's fixed tokens)."""
+        wanted, auto = {}, []
+        for state, speculation in decoding:
+            cap = max(0, state.max_new_tokens - state.generated_len() - 1  # the block's last token is the target's
+                      if state.max_new_tokens is not None else MAX_BATCH_DRAFT_TOKENS)
+            if speculation.num_assistant_tokens == "auto":
+                auto.append((state.request_id, speculation.acceptance, cap))
+            else:
+                wanted[state.request_id] = min(cap, speculation.num_assistant_tokens)
+        if auto:
+            fixed = sum(k + 1 for k in wanted.values()) + self._prefill_tokens_waiting()
+            request_ids, records, caps = zip(*auto, strict=True)
+            lengths = self.manager.sizer.lengths(records, caps, min(fixed, self.cache.max_batch_tokens))
+            wanted.update(zip(request_ids, lengths, strict=True))
+        return wanted
+
+    def _prefill_tokens_waiting(self) -> int:
+        """Prompt tokens the scheduler may add to this step's pass (those of requests still prefilling or waiting)."""
+        prefilling = sum(len(state.remaining_prefill_tokens) for state in self.scheduler.active_requests.values()
+                         if not state.generated_tokens)
+        return prefilling + sum(len(state.initial_tokens) for state in self.scheduler.waiting_requests.values())
 
     def _roll_back_draft(self, speculation: RequestSpeculation) -> None:
         """The draft cache keeps its longest prefix that agrees with the committed tokens (all but the last)."""
@@ -223,7 +257,10 @@ class SpeculativeBatchProcessor(_CB.Processor):
         self.draft_io.prepare_batch_tensors(futures, self.logit_processor, False, start, past, use_padding=False)
         kwargs = self.draft_io.get_model_kwargs(use_padding=False)
         kwargs["logits_to_keep"] = torch.tensor(rows, dtype=torch.int64, device=self.manager.draft.device)
+        started = time.perf_counter()
         logits = self.manager.draft(**kwargs).logits[0].float()  # [rows, vocab]
+        synchronize(logits.device)
+        self.manager.sizer.add_draft_pass(start, time.perf_counter() - started)
         row = 0
         for speculation, feed, has_token in batch:
             speculation.draft_fed.extend(feed)
@@ -255,6 +292,7 @@ class SpeculativeBatchProcessor(_CB.Processor):
             elif future.has_new_token:  # a prefill that ends here: the request's first token
                 verified.append(_Verified(state, self.manager.speculation(state.request_id), start + length - 1, 0))
             start += length
+        self.pass_tokens = start
         return verified
 
     # -- 4. acceptance ---------------------------------------------------------------------------------------------
@@ -297,6 +335,7 @@ class SpeculativeBatchingManager(_CB.Manager):
         config.max_blocks_per_request = 0  # one varlen path: blocks are longer than one token
         self.draft = draft.eval()
         self.num_assistant_tokens = num_assistant_tokens
+        self.sizer = BatchDraftLengths()  # the steps' pass costs and acceptance, for requests with k = "auto"
         self._draft_attn = attention_implementation(draft)
         if self._draft_attn == "eager":
             draft.set_attn_implementation("paged|eager")
@@ -339,8 +378,7 @@ class SpeculativeBatchingManager(_CB.Manager):
         settings = dict(settings)
         seed = settings.pop("seed", None)
         k = settings.pop("num_assistant_tokens", self.num_assistant_tokens)
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"`num_assistant_tokens` must be an int >= 0, got {k!r}.")
+        check_draft_length(k)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"`seed` must be an int, got {seed!r}.")
         chain_settings = {**self.generation_config.to_diff_dict(), **settings, "max_new_tokens": max_new_tokens}
@@ -356,7 +394,7 @@ class SpeculativeBatchingManager(_CB.Manager):
         generator.manual_seed(seed) if seed is not None else generator.seed()
         draft_state = _CB.RequestState(request_id=request_id, initial_tokens=[])
         return RequestSpeculation(list(input_ids), processors, bool(generation_config.do_sample), generator, k,
-                                  draft_state)
+                                  BatchDraftLengths.new_request(), draft_state)
 
     def speculation(self, request_id: str) -> RequestSpeculation:
         with self._speculations_lock:
@@ -397,9 +435,7 @@ def check_speculative_batching(model: PreTrainedModel, draft: Any, generation_co
         if layer_types != {_CB.FULL_ATTENTION}:
             raise ValueError(f"`{name}` ({type(one).__name__}) has {sorted(layer_types)} layers: speculative "
                              "continuous batching rolls back full-attention paged caches only.")
-    if not isinstance(num_assistant_tokens, int) or isinstance(num_assistant_tokens, bool) or num_assistant_tokens < 0:
-        raise ValueError(f"`num_assistant_tokens` must be an int >= 0 (a fixed k per request), got "
-                         f"{num_assistant_tokens!r}.")
+    check_draft_length(num_assistant_tokens)
     if (generation_config.num_return_sequences or 1) > 1 or (generation_config.num_beams or 1) > 1:
         raise ValueError("Speculative continuous batching returns one sequence per request: `num_return_sequences` "
                          f"= {generation_config.num_return_sequences} and `num_beams` = {generation_config.num_beams} "
@@ -410,3 +446,8 @@ def check_speculative_batching(model: PreTrainedModel, draft: Any, generation_co
     if continuous_batching_config.use_async_batching:
         raise ValueError("`continuous_batching_config.use_async_batching=True` cannot speculate: each step needs the "
                          "previous step's accepted tokens to draft.")
+
+
+def check_draft_length(k: Any) -> None:
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+        raise ValueError(f"`num_assistant_tokens` must be an int >= 0 or 'auto', got {k!r}.")
