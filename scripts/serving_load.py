@@ -1,12 +1,15 @@
 """Load test of continuous batching on the built-in pair: transformers' own engine (target only) against hf_spec's
-speculative steps, same model object, weights and kernels, one process, run alone.
+speculative steps (a fixed k and auto k per request), same model object, weights and kernels, one process, run alone.
 
-    python scripts/serving_load.py --concurrency 1 2 4 --num-requests 8 --max-new-tokens 64
+    python scripts/serving_load.py --concurrency 1 2 4 8 --num-requests 8 --max-new-tokens 48 --request-rate 1
 
-Requests are HumanEval prompts (held out from 100 on), greedy. At concurrency c, c requests are in flight at any time
-(a closed loop: each finished request is replaced by the next until all are done). Reported per engine and c:
-throughput (generated tokens / wall seconds), time to first token and time per output token after the first (p50,
-p99 over requests), and the KV-cache bytes per request (paged blocks held at the peak / requests in flight).
+Requests are HumanEval prompts (held out from 100 on), greedy. They arrive as a Poisson process (``--request-rate``
+per second, the same arrival times for every engine), and at most c are in flight: a request that arrives while c
+are running waits at the client. Reported per engine and c: throughput (generated tokens / seconds from the first
+arrival to the last token), time to first token from sending (p50, p99), the client-side wait, time per output token
+after the first (p50, p99), KV-cache bytes per request in flight (target's and, for hf_spec, the draft's, averaged over
+the outputs), acceptance, and how many requests equal `generate()` alone. Each engine runs one short request first
+(warm-up, as `transformers serve` does), so the figures are warm ones; the process is fresh for the first engine.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
+import threading
 import time
 
 import numpy as np
@@ -25,33 +30,69 @@ from hf_spec.bench.workloads import text_workloads
 from hf_spec.loading import load_pair
 
 
-def run(manager, prompts: list[list[int]], concurrency: int) -> dict:
+def used_bytes(cache) -> float:
+    total = sum(allocator.bytes_per_block * allocator.pool.count_free_blocks(allocator.index)
+                for allocator in cache.cache_allocators.values())
+    return cache.num_sectors * cache.bytes_per_sector - len(cache.pool.free_sectors) * cache.bytes_per_sector - total
+
+
+def sample_cache(manager, pending: set, samples: list, done: threading.Event) -> None:
+    """Every 20 ms while requests are in flight: the bytes the target's (and the draft's) paged cache holds."""
+    while not done.wait(0.02):
+        processor, in_flight = manager.batch_processor, len(pending)
+        if processor is not None and in_flight:
+            draft = getattr(processor, "draft_cache", None)
+            samples.append(((used_bytes(processor.cache), used_bytes(draft) if draft else 0.0), in_flight))
+
+
+def run(manager, prompts: list[list[int]], arrivals: list[float], concurrency: int) -> dict:
     manager.start()
     try:
-        submitted, pending, done = 0, set(), {}
+        warm = manager.add_request(prompts[0][:16], max_new_tokens=4)
+        while (output := manager.get_result(timeout=120)) is None or output.request_id != warm:
+            pass
+        submitted, pending, done, sent, samples = 0, set(), {}, {}, []
+        sampling = threading.Event()
+        threading.Thread(target=sample_cache, args=(manager, pending, samples, sampling), daemon=True).start()
         start = time.perf_counter()
-        created = {}
         while len(done) < len(prompts):
-            while len(pending) < concurrency and submitted < len(prompts):
+            now = time.perf_counter() - start
+            while submitted < len(prompts) and len(pending) < concurrency and arrivals[submitted] <= now:
                 request_id = manager.add_request(prompts[submitted], record_timestamps=True)
-                created[request_id] = time.perf_counter()
+                sent[request_id] = (time.perf_counter(), arrivals[submitted] + start)
                 pending.add(request_id)
                 submitted += 1
-            output = manager.get_result(timeout=60)
-            if output is not None and output.is_finished():
+            wait = arrivals[submitted] - now if submitted < len(prompts) and len(pending) < concurrency else 1.0
+            output = manager.get_result(timeout=max(0.001, wait))
+            if output is None:
+                continue
+            if output.is_finished():
                 pending.discard(output.request_id)
                 done[output.request_id] = output
         wall = time.perf_counter() - start
+        sampling.set()
     finally:
         manager.stop(block=True)
     tokens = sum(len(o.generated_tokens) for o in done.values())
-    ttft = [o.timestamps[0] - created[i] for i, o in done.items()]
+    ttft = [o.timestamps[0] - sent[i][0] for i, o in done.items()]
+    queued = [sent[i][0] - sent[i][1] for i in done]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / max(1, len(o.timestamps) - 1) for o in done.values()]
+    order = sorted(done, key=lambda i: sent[i][0])
     return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
-            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
-            "acceptance": _acceptance(done.values()),
-            "outputs": [done[i].generated_tokens for i in sorted(done, key=lambda i: int(i.split("_")[-1]))]}
+            "ttft_p50": _p(ttft, 50), "ttft_p99": _p(ttft, 99), "queued_p50": _p(queued, 50),
+            "tpot_p50": _p(tpot, 50), "tpot_p99": _p(tpot, 99),
+            "kv_bytes_per_request": float(np.mean([t / n for (t, _), n in samples])) if samples else None,
+            "draft_kv_bytes_per_request": float(np.mean([d / n for (_, d), n in samples])) if samples else None,
+            "acceptance": _acceptance(done.values()), "drafted": _drafted(done.values()),
+            "outputs": [done[i].generated_tokens for i in order]}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _p(values: list[float], q: int) -> float:
+    return float(np.percentile(values, q))
 
 
 def _acceptance(outputs) -> float | None:
@@ -60,36 +101,66 @@ def _acceptance(outputs) -> float | None:
     return sum(s["num_accepted"] for s in stats) / drafted if drafted else None
 
 
+def _drafted(outputs) -> float | None:
+    """Drafted tokens per step, over every request (None without speculation)."""
+    stats = [o.speculative_stats for o in outputs if hasattr(o, "speculative_stats")]
+    steps = sum(s["num_steps"] for s in stats)
+    return sum(s["num_drafted"] for s in stats) / steps if steps else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--num-requests", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-assistant-tokens", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals per second")
+    parser.add_argument("--engines", nargs="+", default=["transformers", "k=4", "auto"],
+                        help="transformers (no draft), k=N (hf_spec, fixed k), auto (hf_spec, auto k per request)")
+    parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pair = load_pair()
     prompts = [w["input_ids"][0].tolist()
                for w in text_workloads(pair.tokenizer, ("code",), args.num_requests, offset=100)["code"]]
+    rng = np.random.default_rng(args.seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, len(prompts))).tolist()
+    arrivals = [a - arrivals[0] for a in arrivals]  # the first at 0
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
                               eos_token_id=pair.tokenizer.eos_token_id)
-    cache = ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512)
-    alone = [pair.target.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
+    cache = ContinuousBatchingConfig(num_blocks=256, page_size=args.page_size, max_batch_tokens=512)
     rows = []
     for concurrency in args.concurrency:
-        for engine in ("transformers", "hf_spec"):
-            extra = {} if engine == "transformers" else {"assistant_model": pair.draft,
-                                                         "num_assistant_tokens": args.num_assistant_tokens}
+        for engine in args.engines:
+            extra = {} if engine == "transformers" else {
+                "assistant_model": pair.draft,
+                "num_assistant_tokens": "auto" if engine == "auto" else int(engine.removeprefix("k="))}
             manager = pair.target.init_continuous_batching(config, cache, **extra)
-            result = run(manager, prompts, concurrency)
+            result = run(manager, prompts, arrivals, concurrency)
             rows.append({"engine": engine, "concurrency": concurrency, **result})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), flush=True)
-        agree = [sum(a == b for a, b in zip(row["outputs"], alone, strict=True)) for row in rows[-2:]]
-        print(f"concurrency {concurrency}: speculative/plain throughput "
-              f"{rows[-1]['tokens_per_s'] / rows[-2]['tokens_per_s']:.2f}x; requests equal to generate() alone: "
-              f"transformers {agree[0]}/{len(prompts)}, hf_spec {agree[1]}/{len(prompts)}", flush=True)
-    print("cpu:", platform.processor() or platform.machine(), "threads:", args.threads)
+    alone = [pair.target.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
+    for row in rows:
+        row["equal_to_generate_alone"] = sum(a == b for a, b in zip(row["outputs"], alone, strict=True))
+    plain = {row["concurrency"]: row for row in rows if row["engine"] == "transformers"}
+    flags = subprocess.run(["grep", "-m1", "-o", "-w", "-E", "avx512_bf16|avx512f|avx2", "/proc/cpuinfo"],
+                           capture_output=True, text=True, check=False).stdout.split()
+    print(f"\n{platform.processor() or platform.machine()}, best flag {flags[:1]}, {args.threads} threads, "
+          f"{len(prompts)} requests x {args.max_new_tokens} tokens, Poisson {args.request_rate}/s\n")
+    print("| c | engine | tok/s | vs transformers | TTFT p50 / p99 s | time/token p50 / p99 ms | KV MB/request "
+          "(target + draft) | drafted/step | acceptance | = generate() alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        base = plain.get(row["concurrency"])
+        ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        kv = row["kv_bytes_per_request"] or 0.0
+        draft_kv = row["draft_kv_bytes_per_request"] or 0.0
+        print(f"| {row['concurrency']} | {row['engine']} | {row['tokens_per_s']:.2f} | {ratio} | "
+              f"{row['ttft_p50']:.2f} / {row['ttft_p99']:.2f} | {1e3 * row['tpot_p50']:.0f} / "
+              f"{1e3 * row['tpot_p99']:.0f} | {kv / 2**20:.1f} + {draft_kv / 2**20:.1f} | "
+              f"{_fmt(row['drafted'])} | {_fmt(row['acceptance'])} | "
+              f"{row['equal_to_generate_alone']}/{len(prompts)} |")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,24 @@ def test_a_cache_too_small_for_every_block_makes_requests_wait_not_fail(pair):
         assert output.generated_tokens == target_only(target, prompt, max_new_tokens=16)
 
 
+def test_stop_strings_end_a_request_as_generate_does(pair):
+    from hf_spec.loading.tiny import tiny_tokenizer
+
+    target, draft = pair
+    tokenizer = tiny_tokenizer()
+    full = target_only(target, PROMPTS[1], max_new_tokens=20)
+    stop = tokenizer.decode(full[6:8])
+    expected = target_only(target, PROMPTS[1], max_new_tokens=20, stop_strings=stop, tokenizer=tokenizer)
+    assert len(expected) < len(full)  # generate() stopped at the stop string
+    with running(target, draft, GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=-1)) as manager:
+        ids = [manager.add_request(PROMPTS[1], stop_strings=stop, tokenizer=tokenizer), manager.add_request(PROMPTS[0])]
+        results = results_of(manager, ids)
+    assert results[ids[0]].generated_tokens == expected
+    assert results[ids[1]].generated_tokens == target_only(target, PROMPTS[0], max_new_tokens=20)
+    with pytest.raises(ValueError, match="tokenizer"):
+        manager.add_request(PROMPTS[1], stop_strings=stop)
+
+
 def test_refusals_name_the_argument(pair):
     target, draft = pair
     config = GenerationConfig(max_new_tokens=4, eos_token_id=-1)

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StopStringCriteria
 
 from hf_spec.compat import (
     attention_implementation,
@@ -40,7 +40,7 @@ _CB = continuous_batching()
 #: Per-request settings `add_request` takes beside transformers' own arguments (any other is refused by name).
 REQUEST_SETTINGS = frozenset({"do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
                               "no_repeat_ngram_size", "min_new_tokens", "suppress_tokens", "bad_words_ids", "seed",
-                              "num_assistant_tokens"})
+                              "num_assistant_tokens", "stop_strings", "tokenizer"})
 
 
 @dataclasses.dataclass
@@ -54,6 +54,7 @@ class RequestSpeculation:
     num_assistant_tokens: int | str  # k, or "auto": chosen each step (`hf_spec.sizing.batch`)
     acceptance: DecayedMean  # accepted / reached drafts, forgetting (for "auto")
     draft_state: Any  # a transformers RequestState for the draft's paged cache: its position_offset = len(draft_fed)
+    stop: StopStringCriteria | None = None  # `stop_strings`, as generate() applies them
     draft_fed: list[int] = dataclasses.field(default_factory=list)  # the tokens the draft cache holds, in order
     drafts: list[int] = dataclasses.field(default_factory=list)  # this step's draft tokens
     draft_probs: list[torch.Tensor] = dataclasses.field(default_factory=list)  # q of each, [vocab] (sampling only)
@@ -140,6 +141,9 @@ class SpeculativeBatchProcessor(_CB.Processor):
             for token in emitted:
                 speculation.sequence.append(token)
                 is_finished = state.update_and_check_completion(token, None)
+                if not is_finished and speculation.stop is not None and bool(
+                        speculation.stop(torch.tensor([speculation.sequence]), None)[0]):
+                    state.status, is_finished = _CB.RequestStatus.FINISHED, True
                 if is_finished:
                     break
             speculation.num_steps += 1
@@ -377,6 +381,7 @@ class SpeculativeBatchingManager(_CB.Manager):
                          settings: dict) -> RequestSpeculation:
         settings = dict(settings)
         seed = settings.pop("seed", None)
+        stop = stop_criteria(settings.pop("stop_strings", None), settings.pop("tokenizer", None))
         k = settings.pop("num_assistant_tokens", self.num_assistant_tokens)
         check_draft_length(k)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -394,7 +399,7 @@ class SpeculativeBatchingManager(_CB.Manager):
         generator.manual_seed(seed) if seed is not None else generator.seed()
         draft_state = _CB.RequestState(request_id=request_id, initial_tokens=[])
         return RequestSpeculation(list(input_ids), processors, bool(generation_config.do_sample), generator, k,
-                                  BatchDraftLengths.new_request(), draft_state)
+                                  BatchDraftLengths.new_request(), draft_state, stop=stop)
 
     def speculation(self, request_id: str) -> RequestSpeculation:
         with self._speculations_lock:
@@ -451,3 +456,16 @@ def check_speculative_batching(model: PreTrainedModel, draft: Any, generation_co
 def check_draft_length(k: Any) -> None:
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
         raise ValueError(f"`num_assistant_tokens` must be an int >= 0 or 'auto', got {k!r}.")
+
+
+def stop_criteria(stop_strings: Any, tokenizer: Any) -> StopStringCriteria | None:
+    """``stop_strings`` as `generate()` takes them (a string or a list, with the ``tokenizer``), or ``None``."""
+    if stop_strings is None:
+        return None
+    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(x, str) and x for x in strings):
+        raise ValueError(f"`stop_strings` must be a non-empty string or a list of them, got {stop_strings!r}.")
+    if tokenizer is None:
+        raise ValueError("`stop_strings` needs the `tokenizer` too (as in generate()): add_request(..., "
+                         "stop_strings=..., tokenizer=tokenizer).")
+    return StopStringCriteria(tokenizer, list(strings))

@@ -54,8 +54,10 @@ class Served:
         self.manager.register_result_handler(request_id, outputs.put_nowait)
         finished = False
         try:
+            stops = {"stop_strings": list(completion.stop), "tokenizer": self.tokenizer} if (
+                self.speculative and completion.stop) else {}  # the request leaves the batch at the stop's token
             self.manager.add_request(prompt, request_id=request_id, max_new_tokens=completion.max_tokens,
-                                     streaming=True, **completion.settings)
+                                     streaming=True, **completion.settings, **stops)
             text = TextStream(self.tokenizer, completion.stop)
             while not finished:
                 output = await outputs.get()
