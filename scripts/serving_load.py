@@ -7,9 +7,13 @@ Requests are HumanEval prompts (held out from 100 on), greedy. They arrive as a 
 per second, the same arrival times for every engine), and at most c are in flight: a request that arrives while c
 are running waits at the client. Reported per engine and c: throughput (generated tokens / seconds from the first
 arrival to the last token), time to first token from sending (p50, p99), the client-side wait, time per output token
-after the first (p50, p99), KV-cache bytes per request in flight (target's and, for hf_spec, the draft's, averaged over
-the outputs), acceptance, and how many requests equal `generate()` alone. Each engine runs one short request first
-(warm-up, as `transformers serve` does), so the figures are warm ones; the process is fresh for the first engine.
+after the first (p50, p99), KV-cache bytes per request in flight (target's and, for hf_spec, the draft's, sampled
+every 20 ms), acceptance, and how many requests equal `generate()` alone.
+
+Warm figures: each engine first serves two of the prompts (a warm-up the table leaves out), and with ``--repeats R``
+the engines take turns (ABBA order) R times per c; the table gives the median throughput, its range, and the
+medians of the other columns. The first cell of the process, before any warm-up, is reported on its own (what the
+first requests of a fresh server meet).
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ def sample_cache(manager, pending: set, samples: list, done: threading.Event) ->
 def run(manager, prompts: list[list[int]], arrivals: list[float], concurrency: int) -> dict:
     manager.start()
     try:
-        warm = manager.add_request(prompts[0][:16], max_new_tokens=4)
-        while (output := manager.get_result(timeout=120)) is None or output.request_id != warm:
+        warm = manager.add_request(prompts[0][:16], max_new_tokens=2)  # the manager builds its cache, as a server's
+        while (output := manager.get_result(timeout=120)) is None or output.request_id != warm:  # first request would
             pass
         submitted, pending, done, sent, samples = 0, set(), {}, {}, []
         sampling = threading.Event()
@@ -119,6 +123,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per engine and c, in turns (ABBA)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pair = load_pair()
@@ -130,25 +135,44 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
                               eos_token_id=pair.tokenizer.eos_token_id)
     cache = ContinuousBatchingConfig(num_blocks=256, page_size=args.page_size, max_batch_tokens=512)
+    def measure(engine: str, concurrency: int, some_prompts=prompts, some_arrivals=arrivals) -> dict:
+        extra = {} if engine == "transformers" else {
+            "assistant_model": pair.draft,
+            "num_assistant_tokens": "auto" if engine == "auto" else int(engine.removeprefix("k="))}
+        manager = pair.target.init_continuous_batching(config, cache, **extra)
+        return {"engine": engine, "concurrency": concurrency, **run(manager, some_prompts, some_arrivals, concurrency)}
+
+    first = measure(args.engines[0], args.concurrency[0])  # a fresh process: nothing warmed yet
+    print("first cell:", json.dumps({k: v for k, v in first.items() if k != "outputs"}), flush=True)
+    for engine in args.engines:
+        measure(engine, 2, prompts[:2], [0.0, 0.0])  # warm-up, left out
+    runs = []
+    for repeat in range(args.repeats):
+        for concurrency in args.concurrency:
+            for engine in args.engines if repeat % 2 == 0 else args.engines[::-1]:
+                runs.append(measure(engine, concurrency))
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "outputs"}), flush=True)
+    alone = [pair.target.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
     rows = []
     for concurrency in args.concurrency:
         for engine in args.engines:
-            extra = {} if engine == "transformers" else {
-                "assistant_model": pair.draft,
-                "num_assistant_tokens": "auto" if engine == "auto" else int(engine.removeprefix("k="))}
-            manager = pair.target.init_continuous_batching(config, cache, **extra)
-            result = run(manager, prompts, arrivals, concurrency)
-            rows.append({"engine": engine, "concurrency": concurrency, **result})
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), flush=True)
-    alone = [pair.target.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
-    for row in rows:
-        row["equal_to_generate_alone"] = sum(a == b for a, b in zip(row["outputs"], alone, strict=True))
+            cell = [r for r in runs if r["engine"] == engine and r["concurrency"] == concurrency]
+            row = {"engine": engine, "concurrency": concurrency,
+                   "range": (min(r["tokens_per_s"] for r in cell), max(r["tokens_per_s"] for r in cell)),
+                   "equal_to_generate_alone": min(sum(a == b for a, b in zip(r["outputs"], alone, strict=True))
+                                                  for r in cell)}
+            for name in ("tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "kv_bytes_per_request",
+                         "draft_kv_bytes_per_request", "acceptance", "drafted"):
+                values = [r[name] for r in cell if r[name] is not None]
+                row[name] = float(np.median(values)) if values else None
+            rows.append(row)
     plain = {row["concurrency"]: row for row in rows if row["engine"] == "transformers"}
     flags = subprocess.run(["grep", "-m1", "-o", "-w", "-E", "avx512_bf16|avx512f|avx2", "/proc/cpuinfo"],
                            capture_output=True, text=True, check=False).stdout.split()
     print(f"\n{platform.processor() or platform.machine()}, best flag {flags[:1]}, {args.threads} threads, "
-          f"{len(prompts)} requests x {args.max_new_tokens} tokens, Poisson {args.request_rate}/s\n")
-    print("| c | engine | tok/s | vs transformers | TTFT p50 / p99 s | time/token p50 / p99 ms | KV MB/request "
+          f"{len(prompts)} requests x {args.max_new_tokens} tokens, Poisson {args.request_rate}/s, "
+          f"medians of {args.repeats} run(s)\n")
+    print("| c | engine | tok/s (range) | vs transformers | TTFT p50 / p99 s | time/token p50 / p99 ms | KV MB/request "
           "(target + draft) | drafted/step | acceptance | = generate() alone |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -156,7 +180,8 @@ def main() -> None:
         ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         kv = row["kv_bytes_per_request"] or 0.0
         draft_kv = row["draft_kv_bytes_per_request"] or 0.0
-        print(f"| {row['concurrency']} | {row['engine']} | {row['tokens_per_s']:.2f} | {ratio} | "
+        low, high = row["range"]
+        print(f"| {row['concurrency']} | {row['engine']} | {row['tokens_per_s']:.2f} ({low:.2f}-{high:.2f}) | {ratio} | "
               f"{row['ttft_p50']:.2f} / {row['ttft_p99']:.2f} | {1e3 * row['tpot_p50']:.0f} / "
               f"{1e3 * row['tpot_p99']:.0f} | {kv / 2**20:.1f} + {draft_kv / 2**20:.1f} | "
               f"{_fmt(row['drafted'])} | {_fmt(row['acceptance'])} | "
