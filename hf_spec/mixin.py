@@ -54,7 +54,7 @@ from hf_spec.forward import prefill
 from hf_spec.outputs import generate_output
 from hf_spec.plan import CallOptions, greedy_at_zero_temperature, plan_call, user_settings
 from hf_spec.rounds import Rounds
-from hf_spec.sizing.load import LoadMeter
+from hf_spec.timing.load import LoadMeter
 from hf_spec.validation import Call, check_call
 
 logger = logging.getLogger(__name__)

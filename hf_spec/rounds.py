@@ -36,7 +36,7 @@ from hf_spec.forward import extend_mask, forward_missing, forward_tree, has_inva
 from hf_spec.rejection import accept_greedy, accept_tree_greedy
 from hf_spec.rows import RaggedBatch, Rollback
 from hf_spec.sizing.base import ChainSizer, Sizer, TreeSizer
-from hf_spec.sizing.costs import correct_costs, probe_costs, probe_sizes
+from hf_spec.timing.probe import correct_costs, probe_costs, probe_sizes
 from hf_spec.verification import BLOCK, Verification
 from logits_processors import process_block, process_step
 

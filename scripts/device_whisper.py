@@ -23,7 +23,7 @@ import hf_spec.mixin
 from hf_spec import speculative
 from hf_spec.caches import crop_to
 from hf_spec.decoding import speculative_decode
-from hf_spec.sizing.costs import synchronize
+from hf_spec.timing.probe import synchronize
 
 LARGE_V3 = {"d_model": 1280, "encoder_layers": 32, "decoder_layers": 32, "encoder_attention_heads": 20,
             "decoder_attention_heads": 20, "encoder_ffn_dim": 5120, "decoder_ffn_dim": 5120, "vocab_size": 51866,

@@ -20,7 +20,7 @@ import torch
 from hf_spec.bench.measure import machine_info
 from hf_spec.loading.gguf_weights import TYPES, _file_tensors, gguf_kernel
 from hf_spec.loading.pretrained import gguf_file, load
-from hf_spec.sizing.costs import forward_seconds
+from hf_spec.timing.probe import forward_seconds
 
 LAYERS = ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.weight",
           "output.weight")

@@ -181,8 +181,8 @@ def main() -> None:
         kv = row["kv_bytes_per_request"] or 0.0
         draft_kv = row["draft_kv_bytes_per_request"] or 0.0
         low, high = row["range"]
-        print(f"| {row['concurrency']} | {row['engine']} | {row['tokens_per_s']:.2f} ({low:.2f}-{high:.2f}) | {ratio} | "
-              f"{row['ttft_p50']:.2f} / {row['ttft_p99']:.2f} | {1e3 * row['tpot_p50']:.0f} / "
+        print(f"| {row['concurrency']} | {row['engine']} | {row['tokens_per_s']:.2f} ({low:.2f}-{high:.2f}) | "
+              f"{ratio} | {row['ttft_p50']:.2f} / {row['ttft_p99']:.2f} | {1e3 * row['tpot_p50']:.0f} / "
               f"{1e3 * row['tpot_p99']:.0f} | {kv / 2**20:.1f} + {draft_kv / 2**20:.1f} | "
               f"{_fmt(row['drafted'])} | {_fmt(row['acceptance'])} | "
               f"{row['equal_to_generate_alone']}/{len(prompts)} |")

@@ -45,7 +45,7 @@ def main() -> None:
     from hf_spec.bench.workloads import text_workloads
     from hf_spec.loading.pretrained import DEFAULT_DRAFT, DEFAULT_TARGET, load
     from hf_spec.loading.quantization import quantized_copy
-    from hf_spec.sizing.costs import forward_seconds
+    from hf_spec.timing.probe import forward_seconds
 
     pair = hf_spec.load_pair(quantize=None, quantize_draft=None)  # both float: each scheme quantizes a copy
     prompts = text_workloads(pair.tokenizer, ("code",), 8, offset=100)["code"]  # held-out HumanEval prompts

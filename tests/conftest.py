@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 # Probed costs stay in each process (and its subprocesses): a table another run stored would skip the probes tests
 # time; `tests/test_draft_length.py` turns the store on where it tests it.
 os.environ["HF_SPEC_COST_STORE"] = "off"
-# Whether other processes load the machine decides what is stored (`hf_spec.sizing.load`): unknown here, so that a
+# Whether other processes load the machine decides what is stored (`hf_spec.timing.load`): unknown here, so that a
 # test's outcome never depends on what else runs; `tests/test_packed.py` sets the load where it tests it.
 os.environ["HF_SPEC_LOAD_METER"] = "off"
 

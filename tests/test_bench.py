@@ -428,7 +428,7 @@ def test_the_warm_up_makes_every_cost_probe_the_timed_calls_use(tmp_path, monkey
     first call, timed apart) runs with the timed calls' ``max_new_tokens``, so no timed call pays a probe (a tree's
     first timed call once paid 11 s of probing). Control: probes forgotten after the warm-up are made again in a
     timed call."""
-    import hf_spec.sizing.costs as costs
+    import hf_spec.timing.probe as costs
 
     probes, timed = [], []
     measure, interleaved = costs.measure_costs, hf_spec.bench.runner._interleaved_runs

@@ -343,7 +343,7 @@ def test_the_draft_reports_the_tokens_its_first_pass_catches_up_on(small_target,
     the draft had not read), as a same-tokenizer draft model reports it, so auto k prices catch-ups; 0 for a round
     that drafts nothing; and the probe that starts auto k times the draft's 2-token pass."""
     from hf_spec.caches import cache_length
-    from hf_spec.sizing.costs import forget_costs
+    from hf_spec.timing.probe import forget_costs
 
     tokenizer, draft_tokenizer, draft = small_pair
     forget_costs(draft)  # so that auto k probes here

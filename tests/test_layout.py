@@ -1,7 +1,8 @@
 """The package's shape: the algorithm never imports the tools, packages import in one direction, every module names
 its one purpose, the loop stays readable, and no test reaches into the loop to swap its acceptance rule.
 
-The algorithm is the top of ``hf_spec/``, ``hf_spec/drafting/``, ``hf_spec/sizing/`` and ``logits_processors/``; the
+The algorithm is the top of ``hf_spec/``, ``hf_spec/drafting/``, ``hf_spec/sizing/``, ``hf_spec/timing/`` and
+``logits_processors/``; the
 tools are ``heads``,
 ``loading``, ``evaluation``, ``bench`` and ``cli``, which import the algorithm and each other in that order only. A
 reader can then take the loop without the tools, and a change to a tool cannot change what the loop computes.
@@ -26,7 +27,8 @@ ROOT = Path(hf_spec.__file__).parent
 TOOLS = ("heads", "loading", "evaluation", "serving", "bench", "cli")
 ENTRY_POINTS = {"__main__.py"}  # ``python -m hf_spec`` is the command line's entry point
 ALGORITHM = sorted(path for path in [*ROOT.glob("*.py"), *(ROOT / "drafting").glob("*.py"),
-                                     *(ROOT / "sizing").glob("*.py"), *(ROOT.parent / "logits_processors").glob("*.py")]
+                                     *(ROOT / "sizing").glob("*.py"), *(ROOT / "timing").glob("*.py"),
+                                     *(ROOT.parent / "logits_processors").glob("*.py")]
                    if path.name not in ENTRY_POINTS)
 
 
@@ -121,6 +123,43 @@ def test_the_import_check_catches_a_tool_import(tmp_path):
     module = tmp_path / "bad.py"
     module.write_text("def f():\n    from hf_spec.bench.measure import weight_bytes\n")
     assert any(package_of(name) == "bench" for name in imported_modules(module))
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """`imported_modules` outside ``if TYPE_CHECKING:`` blocks (annotations only)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def sizing_arrows(paths) -> list[tuple[str, str]]:
+    """What sizing modules import beyond themselves, `hf_spec.checks` and the standard library."""
+    return sorted((path.name, name) for path in paths for name in runtime_imports(path)
+                  if not (name.startswith(("hf_spec.sizing", "hf_spec.checks", "__future__"))
+                          or name.split(".")[0] in sys.stdlib_module_names))
+
+
+def test_sizing_runs_no_model_and_imports_no_drafter():
+    """The sizers read tables and counts: no torch, no transformers, no drafter, no probe (`hf_spec.timing` fills
+    their tables and imports them, never the other way round)."""
+    assert sizing_arrows(sorted((ROOT / "sizing").glob("*.py"))) == []
+
+
+def test_the_sizing_check_catches_a_probe_import(tmp_path):
+    """Negative control: a sizer importing the timing probe, or torch, is caught; a type-only import is not."""
+    module = tmp_path / "bad.py"
+    module.write_text("from typing import TYPE_CHECKING\nimport torch\nif TYPE_CHECKING:\n"
+                      "    from hf_spec.drafting.tree import DraftTree\n"
+                      "def f():\n    from hf_spec.timing.probe import probe_costs\n")
+    assert sizing_arrows([module]) == [("bad.py", "hf_spec.timing.probe"), ("bad.py", "torch")]
 
 
 def test_packages_import_each_other_in_one_direction():

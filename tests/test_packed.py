@@ -35,7 +35,8 @@ from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.packed import PackedLinear, cpu_path, deoptimize, optimize
 from hf_spec.loading.weight_only import quantize_weights
 from hf_spec.sizing import costs
-from hf_spec.sizing.costs import CostTable, probe_costs
+from hf_spec.sizing.costs import CostTable
+from hf_spec.timing.probe import probe_costs
 from hf_spec.sizing.estimates import SHIFT_EVIDENCE
 
 
@@ -403,7 +404,7 @@ def test_drafts_pruned_to_other_sizes_keep_their_own_paths(monkeypatch, tmp_path
 
 
 class _Load:
-    """A `hf_spec.sizing.load.LoadMeter` that reports what the test says the rest of the machine did."""
+    """A `hf_spec.timing.load.LoadMeter` that reports what the test says the rest of the machine did."""
 
     share = 0.0
 
@@ -458,7 +459,7 @@ def test_a_quiet_call_corrects_stored_costs_that_a_busy_moment_made_stale(monkey
     """The stored draft step is 5x what it costs (timed while the machine was busy, or on other kernels): a quiet call
     with auto k measures the draft's steps against the target's passes, and the stored table follows; a later
     process starts from a draft step close to what the call measured. A call on a busy machine corrects nothing."""
-    from hf_spec.sizing.cost_store import load_table, store_key
+    from hf_spec.timing.store import load_table, store_key
 
     monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
     target = speculative(make_tiny_model(seed=0))
@@ -508,9 +509,9 @@ def test_the_load_meter_sees_other_processes(monkeypatch):
     import sys
     import time
 
-    from hf_spec.sizing.load import LoadMeter
+    from hf_spec.timing.load import LoadMeter
 
-    from hf_spec.sizing.load import _cpu_seconds
+    from hf_spec.timing.load import _cpu_seconds
 
     monkeypatch.delenv("HF_SPEC_LOAD_METER")
 
@@ -530,7 +531,7 @@ def test_a_sizer_kept_across_calls_corrects_the_stored_costs_once(monkeypatch, t
     """An `AutoDraftLength` passed to every call keeps the costs it started from; each quiet call's correction scales
     those, so a second call does not scale the corrected table again (which would put the draft at 1/25 of the stale
     figure instead of 1/5)."""
-    from hf_spec.sizing.cost_store import load_table, store_key
+    from hf_spec.timing.store import load_table, store_key
 
     monkeypatch.setenv("HF_SPEC_COST_STORE", str(tmp_path))
     target = speculative(make_tiny_model(seed=0))

@@ -226,7 +226,7 @@ def test_generation_config_by_keyword_reaches_whisper():
 def test_auto_k_on_a_qwen2_vl_batch_in_a_fresh_process_equals_target_only():
     """The cost probe times the models with positions of its own: Qwen2-VL keeps the call's rope deltas (a batch of
     two) on the model, and the probe's one row read them."""
-    from hf_spec.sizing import costs
+    from hf_spec.timing import probe as costs
 
     costs._PROBED.clear()
     case = conditioned.build_case("qwen2_vl")

@@ -94,6 +94,7 @@ def test_a_cancelled_request_leaves_and_the_others_stay_exact(pair):
     with running(target, draft, GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=-1)) as manager:
         cancelled = manager.add_request(PROMPTS[2], max_new_tokens=200, streaming=True)
         kept = manager.add_request(PROMPTS[4])
+        manager.cancel_request(manager.add_request(PROMPTS[3]))  # before it ever ran
         for output in manager.request_id_iter(cancelled):
             if len(output.generated_tokens) >= 3:
                 break
@@ -150,7 +151,7 @@ def test_a_seed_reproduces_a_request_whatever_shares_its_batch(pair):
     config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.5, eos_token_id=-1)
 
     def run(prompts: list[list[int]]) -> list[int]:
-        with running(target, draft, config) as manager:
+        with running(target, draft, config, num_assistant_tokens=3) as manager:  # auto k would follow the timings
             ids = [manager.add_request(prompt, seed=7 if i == 0 else 100 + i) for i, prompt in enumerate(prompts)]
             return results_of(manager, ids)[ids[0]].generated_tokens
 

@@ -4,7 +4,7 @@ script: the pair is loaded (not timed), then one ``generate()`` call is timed, n
 Every (workload, setting, prompt, method) runs in its own subprocess (``python -m hf_spec.bench.first_call``), the
 methods' order rotating from one prompt to the next. What a first call may pay and later calls do not: an automatic
 size's cost probe, oneDNN's first-use kernel set-up, allocator growth. Probed costs are kept on disk between processes
-(`hf_spec.sizing.cost_store`); ``store="fresh"`` gives every subprocess an empty store (a machine where hf_spec never
+(`hf_spec.timing.store`); ``store="fresh"`` gives every subprocess an empty store (a machine where hf_spec never
 ran), ``store="shared"`` the user's (every later process).
 
 The report: per (workload, setting, method) each prompt's seconds and new tokens, and the geometric mean over prompts

@@ -1,5 +1,5 @@
 """Measuring a generate() call: forward-pass counts, peak memory, weights, and the machine (forward-pass costs:
-`hf_spec.sizing.costs`)."""
+`hf_spec.timing.probe`)."""
 
 from __future__ import annotations
 

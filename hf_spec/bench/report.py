@@ -66,7 +66,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict[str, CostTable], 
         costs, weights: keyed by workload (``"target"``, ``"draft"``) for the first pair, ``<workload>@<label>``
             (``"target@<label>"``, ``"draft@<label>"``) for a variant (methods named ``<method>@<label>``), whose
             own target-only baseline is ``target_only@<label>``, or ``target_only`` where that did not run.
-        cost_table: the probe's pass costs (`hf_spec.sizing.costs`): the ``modelled_speedup`` of each row is the
+        cost_table: the probe's pass costs (`hf_spec.timing.probe`): the ``modelled_speedup`` of each row is the
             speed-up its counts (target passes and their sizes, draft passes) give at those costs, free of the timing
             noise of the runs themselves.
     """

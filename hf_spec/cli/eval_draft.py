@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_spec.evaluation.continuations import target_continuations
     from hf_spec.evaluation.draft_fit import evaluate_draft, measure_draft
     from hf_spec.plan import make_drafter
-    from hf_spec.sizing.costs import measure_costs
+    from hf_spec.timing.probe import measure_costs
 
     require_extra("train", "hf-spec eval-draft")
     if args.num_assistant_tokens == "auto" and args.measure:

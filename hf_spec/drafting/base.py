@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from hf_spec.forward import has_invalid_values
 from hf_spec.rejection import sample_from_weights
 from hf_spec.rows import RaggedBatch
 from logits_processors import process_step
+
+if TYPE_CHECKING:
+    from hf_spec.drafting.tree import DraftTree
 
 
 @dataclasses.dataclass
@@ -45,6 +48,14 @@ class Proposal:
     @property
     def num_draft_tokens(self) -> int:
         return self.draft_ids.shape[1]
+
+    def as_tree(self) -> DraftTree:
+        """A one-row chain as the tree it is: node i's parent is node i - 1."""
+        from hf_spec.drafting.tree import DraftTree  # the tree module builds on this one
+
+        k = self.num_draft_tokens
+        return DraftTree(self.draft_ids[0], list(range(-1, k - 1)), None, self.is_invalid, self.num_model_steps,
+                         self.num_catch_up_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

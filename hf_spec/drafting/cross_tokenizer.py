@@ -46,7 +46,7 @@ from hf_spec.drafting.lookup import point_mass_proposal
 from hf_spec.drafting.model import check_draft_model
 from hf_spec.forward import forward_missing, has_invalid_values, position_table
 from hf_spec.rows import RaggedBatch
-from hf_spec.sizing.costs import forward_seconds
+from hf_spec.timing.probe import forward_seconds
 
 _MAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target tokenizer -> {draft tokenizer -> map}
 #: How a draft of another tokenizer proposes target ids (`CrossTokenizerDrafter`).

@@ -34,7 +34,7 @@ from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is
 from hf_spec.drafting.branching import BranchingTreeDrafter, visibility
 from hf_spec.forward import extend_mask
 from hf_spec.rows import RaggedBatch
-from hf_spec.sizing.costs import synchronize
+from hf_spec.timing.probe import synchronize
 
 
 class HeadDrafter(Drafter):

@@ -36,9 +36,9 @@ from hf_spec.forward import position_table
 from hf_spec.loading.cpu import release_freed_memory
 from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 from hf_spec.loading.packed_layer import PACKED_REFUSAL, PackedLinear, packed_linear  # noqa: F401 (re-exported)
-from hf_spec.sizing.cost_store import STORE_VARIABLE, load_path, path_key, save_path
-from hf_spec.sizing.costs import forget_costs
-from hf_spec.sizing.load import LoadMeter
+from hf_spec.timing.store import STORE_VARIABLE, load_path, path_key, save_path
+from hf_spec.timing.probe import forget_costs
+from hf_spec.timing.load import LoadMeter
 from hf_spec.sizing.draft_length import DEFAULT_NUM_DRAFT_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class CpuPath:
     aten_max_rows: int  # passes of at most this many rows (batch x tokens) run with oneDNN switched off; 0: never
     seconds: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     reason: str = ""
-    quiet: bool = True  # timed while no other process loaded the machine (`hf_spec.sizing.load`): kept on disk
+    quiet: bool = True  # timed while no other process loaded the machine (`hf_spec.timing.load`): kept on disk
 
     def describe(self) -> str:
         lines = [f"CPU forward path: {self.name}" + (f" ({self.reason})" if self.reason else "")]
@@ -123,7 +123,7 @@ def optimize(model: PreTrainedModel, path: str = "auto", role: str = "target", w
 
 
 def _restore(model: PreTrainedModel, path: CpuPath) -> CpuPath | None:
-    """A path chosen in an earlier process (`hf_spec.sizing.cost_store.load_path`) put in place without timing
+    """A path chosen in an earlier process (`hf_spec.timing.store.load_path`) put in place without timing
     anything; ``None`` where it no longer applies (oneDNN cannot pack here now)."""
     if _unsupported(model):
         return _keep(model, path) if path.name == "stock" else None

@@ -42,7 +42,7 @@ from hf_spec.loading.tiny import (
 from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, adopt_torchao, check_runs_here, quantize_weights
 from hf_spec.mixin import speculative
-from hf_spec.sizing.costs import seed_costs
+from hf_spec.timing.probe import seed_costs
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS
 from hf_spec.validation import is_other_vocabulary
 
@@ -239,7 +239,7 @@ def prepare_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None
 
 def seed_pair_costs(target: PreTrainedModel, draft) -> None:
     """The kernel timings `packed.optimize` made of both models become the costs auto k starts from, so that a first
-    automatic call does not probe (`hf_spec.sizing.costs.seed_costs`); nothing for a draft head or a model not
+    automatic call does not probe (`hf_spec.timing.probe.seed_costs`); nothing for a draft head or a model not
     timed."""
     target_path, draft_path = packed.cpu_path(target), packed.cpu_path(draft)
     if target_path is not None and draft_path is not None and not isinstance(draft, DraftHeadBase):

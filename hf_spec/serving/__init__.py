@@ -14,8 +14,9 @@ from hf_spec.serving.batching import REQUEST_SETTINGS, SpeculativeBatchingManage
 
 __all__ = ["REQUEST_SETTINGS", "SpeculativeBatchingManager", "speculative_batching_manager"]
 
-#: The draft length when neither the call nor the generation config names one.
-DEFAULT_NUM_ASSISTANT_TOKENS = 4
+#: The draft length when neither the call nor the generation config names one: per request and step
+#: (`hf_spec.sizing.batch`).
+DEFAULT_NUM_ASSISTANT_TOKENS = "auto"
 
 
 def speculative_batching_manager(model: PreTrainedModel, assistant_model: Any,

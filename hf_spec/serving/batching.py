@@ -30,7 +30,7 @@ from hf_spec.compat import (
 )
 from hf_spec.rejection import accept_greedy, sample_from_weights
 from hf_spec.sizing.batch import MAX_BATCH_DRAFT_TOKENS, BatchDraftLengths
-from hf_spec.sizing.costs import synchronize
+from hf_spec.timing.probe import synchronize
 from hf_spec.sizing.estimates import DecayedMean
 from hf_spec.verification import Verification, resolve_verification
 from logits_processors import check_processors, process_block, process_step
@@ -61,6 +61,7 @@ class RequestSpeculation:
     num_drafted: int = 0
     num_accepted: int = 0
     num_steps: int = 0
+    cancelled: bool = False  # cancel_request() was called: its state may go once the request is not live
 
     def stats(self) -> dict[str, float | int]:
         """The counts a server reports as the response's ``speculative`` field."""
@@ -406,14 +407,21 @@ class SpeculativeBatchingManager(_CB.Manager):
             return self._speculations[request_id]
 
     def forget_inactive(self, live: set[str]) -> list[str]:
-        """Drop the speculative state of requests that have run and are no longer live; their ids (a request still
-        in the input queue has not run)."""
+        """Drop the speculative state of requests that have run, or were cancelled, and are no longer live; their ids
+        (a request still in the input queue has not run; one cancelled there is drained with its cancellation, and
+        never scheduled)."""
         with self._speculations_lock:
             gone = [request_id for request_id, speculation in self._speculations.items()
-                    if request_id not in live and speculation.num_steps > 0]
+                    if request_id not in live and (speculation.num_steps > 0 or speculation.cancelled)]
             for request_id in gone:
                 del self._speculations[request_id]
         return gone
+
+    def cancel_request(self, request_id: str) -> None:
+        super().cancel_request(request_id)  # queued first: the state goes only once the cancellation is on its way
+        with self._speculations_lock:
+            if request_id in self._speculations:
+                self._speculations[request_id].cancelled = True
 
     def stop(self, *args, **kwargs) -> None:
         super().stop(*args, **kwargs)

@@ -94,6 +94,10 @@ def build_app(served: Served):
     async def _refused(_request, error: RequestError):
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(ValueError)
+    async def _refused_by_the_manager(_request, error: ValueError):  # add_request's own checks
+        return JSONResponse(RequestError(str(error)).body(), status_code=400)
+
     @app.get("/health")
     def health():
         fatal = served.manager.background_thread_status.fatal_error

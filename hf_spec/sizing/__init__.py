@@ -5,10 +5,11 @@
   (`HeuristicDraftLength`), or chosen from measured acceptance and costs (`AutoDraftLength`);
 - `tree_size`: a tree's size per round, fixed (`FixedTreeSize`) or chosen the same way (`AutoTreeSize`);
 - `online`: what both automatic sizers learn during a call; `estimates`: acceptance and pass costs with forgetting;
-- `costs`: the cost probe and its table; `cost_store`: the probe's tables kept per machine, models and kernels;
-  `speedup`: the expected-tokens formula.
+- `batch`: k per request and step in a continuous batch (`hf_spec.serving`);
+- `costs`: the cost table the sizers read; `speedup`: the expected-tokens formula.
 
-The drafters themselves live in `hf_spec.drafting`.
+The sizers run no model and import no drafter: the timing probe that fills their tables is `hf_spec.timing`, the
+drafters are `hf_spec.drafting`.
 """
 
 from hf_spec.sizing.base import ChainSizer, Sizer, TreeSizer

@@ -4,15 +4,17 @@ A chain round asks a `ChainSizer` for k (`choose`); a tree round asks a `TreeSiz
 branching (`choose_tree`). Both learn from a chain round (`learn_chain`: a tree sizer learns it as the tree it is), a
 tree sizer from a tree round too (`learn_tree`). ``max_drafted`` is the most tokens any round drafts (what a static
 cache and recurrent-state recording are sized for); ``needs_costs`` says whether the sizer wants the cost probe
-before its first round (`hf_spec.sizing.costs.probe_costs`, run once per process and models).
+before its first round (`hf_spec.timing.probe.probe_costs`, run once per process and models).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
-from hf_spec.drafting.base import Proposal
-from hf_spec.drafting.tree import DraftTree
+if TYPE_CHECKING:  # the sizers read what the drafters made; they import no drafter
+    from hf_spec.drafting.base import Proposal
+    from hf_spec.drafting.tree import DraftTree
 
 
 class Sizer(abc.ABC):
@@ -79,11 +81,4 @@ class TreeSizer(Sizer):
                     verify_seconds: float | None, reach: list[list[float]] | None = None) -> None:
         """A one-row chain, learnt as the tree it is: node i's parent is node i - 1 (from the path kept: a tree's
         acceptance is learnt per depth and sibling rank, from what each round tried)."""
-        self.learn_tree(chain_tree(proposal), list(range(num_accepted[0])), draft_seconds, verify_seconds)
-
-
-def chain_tree(proposal: Proposal) -> DraftTree:
-    """A one-row chain proposal as the tree it is."""
-    k = proposal.num_draft_tokens
-    return DraftTree(proposal.draft_ids[0], list(range(-1, k - 1)), None, proposal.is_invalid,
-                     proposal.num_model_steps, proposal.num_catch_up_tokens)
+        self.learn_tree(proposal.as_tree(), list(range(num_accepted[0])), draft_seconds, verify_seconds)

@@ -33,7 +33,7 @@ after a hard stretch would stay there. The clock has
 the last word: once rounds that drafted have measurably emitted fewer tokens per second than plain target steps, k is
 0 until explorations raise the cost model's case for drafting well above the case the clock refuted; then drafting is
 measured again. What is learnt, and how, is `hf_spec.sizing.online`. `start_from` seeds the
-costs with measured ones (`hf_spec.sizing.costs.probe_costs`, which speculative ``generate()`` runs once per process
+costs with measured ones (`hf_spec.timing.probe.probe_costs`, which speculative ``generate()`` runs once per process
 for ``"auto"``): the first rounds are then chosen from them, and where even a draft accepted every time could not beat a
 plain step (`CostTable.best_possible_speedup` below 1), it says so in a warning and decodes with k = 0 once the
 call's first draft timings have confirmed the probe (`hf_spec.sizing.estimates`).

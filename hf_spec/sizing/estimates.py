@@ -9,7 +9,7 @@ per position, and the seconds of draft and target passes.
   depth), counted with exponential forgetting and shrunk towards the pooled rate of all positions, itself shrunk
   towards a prior;
 - `PassCosts`: seconds of a draft pass (and of its 2-token catch-up beyond that) and of target passes by size, seeded
-  by the cost probe (`hf_spec.sizing.costs`) and then measured; a size not measured yet is interpolated, or
+  by the cost probe (`hf_spec.timing.probe`) and then measured; a size not measured yet is interpolated, or
   extrapolated with the slope measured so far.
 """
 

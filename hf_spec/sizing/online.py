@@ -201,7 +201,7 @@ class OnlineSizer:
         """What this call's own timings say of the probe's draft step against its target passes: the median, over the
         rounds that drafted, of (draft step / the probe's) / (target pass / the probe's), where the evidence is firm
         (`OBSERVED_ROUNDS` rounds, or `SHIFT_EVIDENCE` that all lie beyond `OUTLIER_RATIO` on one side, as a seed
-        gives way within a call); else ``None``. The stored costs follow it (`hf_spec.sizing.costs.correct_costs`)."""
+        gives way within a call); else ``None``. The stored costs follow it (`hf_spec.timing.probe.correct_costs`)."""
         ratios = sorted(self.observed_cost_ratios)
         is_one_sided = all(ratio > OUTLIER_RATIO for ratio in ratios) or all(
             ratio < 1 / OUTLIER_RATIO for ratio in ratios)

@@ -33,9 +33,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+from typing import TYPE_CHECKING
 
 from hf_spec.checks import check_int
-from hf_spec.drafting.tree import DraftTree
+
+if TYPE_CHECKING:
+    from hf_spec.drafting.tree import DraftTree
 from hf_spec.sizing.base import TreeSizer
 from hf_spec.sizing.costs import CostTable
 from hf_spec.sizing.estimates import DecayedMean, PositionalAcceptance

@@ -1,5 +1,5 @@
 """How busy the rest of the machine was while hf_spec timed something: a timing taken while other processes kept the
-CPUs busy is not kept for later processes (`hf_spec.sizing.costs`, `hf_spec.loading.packed`).
+CPUs busy is not kept for later processes (`hf_spec.timing.probe`, `hf_spec.loading.packed`).
 
 `LoadMeter` reads, around a block, the CPU time every process spent (``/proc/stat``, all CPUs) and the time this
 process spent (``os.times``); what others spent, over the block's wall time and the CPUs, is their share of the

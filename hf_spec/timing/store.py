@@ -5,8 +5,8 @@ models' architectures, dtypes, devices and kernels; the drafter's kind; threads)
 (machine, torch, kernels, threads, role, the timed widths, the model's architecture, dtype and layers), so that a
 later process loads its models without timing them.
 
-A timing taken while other processes loaded the machine is not written (`hf_spec.sizing.load`), and a call whose own
-timings disagree with a stored table corrects it (`hf_spec.sizing.costs.correct_costs`).
+A timing taken while other processes loaded the machine is not written (`hf_spec.timing.load`), and a call whose own
+timings disagree with a stored table corrects it (`hf_spec.timing.probe.correct_costs`).
 
 Costs depend on the shapes and the kernels, not on the weights' values, so a model is identified by its config, dtype,
 device and the kinds of its modules and hooks (packed layers, the kernel dispatch), never by its weights.
