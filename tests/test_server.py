@@ -208,3 +208,29 @@ def test_without_speculation_the_server_refuses_what_it_would_ignore():
         tokenizer.chat_template = None
         read_request({"messages": [{"role": "user", "content": "a"}]}, chat=True, tokenizer=tokenizer,
                      model_name=MODEL, context_length=None, default_max_tokens=4)
+
+
+def test_a_request_that_fails_in_the_batch_answers_500_whole_and_an_error_event_streamed():
+    import asyncio
+    import types
+
+    from fastapi.testclient import TestClient
+
+    class FailingManager:
+        """Delivers one output with an error for every request (a batch that could not run it)."""
+
+        generation_config = GenerationConfig(eos_token_id=0)
+
+        def register_result_handler(self, request_id, callback):
+            self.callback, self.loop = callback, asyncio.get_running_loop()
+
+        def add_request(self, prompt, request_id, **settings):
+            failed = types.SimpleNamespace(error="no cache block left", generated_tokens=[], is_finished=lambda: True)
+            self.loop.call_soon(self.callback, failed)
+
+    client = TestClient(build_app(Served(FailingManager(), tiny_tokenizer(), MODEL, speculative=True)))
+    whole = client.post("/v1/completions", json={"prompt": "abc", "temperature": 0})
+    assert whole.status_code == 500 and "no cache block left" in whole.json()["error"]["message"]
+    streamed = client.post("/v1/completions", json={"prompt": "abc", "temperature": 0, "stream": True})
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert "no cache block left" in json.loads(events[-1].removeprefix("data: "))["error"]["message"]

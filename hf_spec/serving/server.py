@@ -98,6 +98,11 @@ def build_app(served: Served):
     async def _refused_by_the_manager(_request, error: ValueError):  # add_request's own checks
         return JSONResponse(RequestError(str(error)).body(), status_code=400)
 
+    @app.exception_handler(RuntimeError)
+    async def _failed(_request, error: RuntimeError):  # a request that failed in the batch
+        return JSONResponse({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}},
+                            status_code=500)
+
     @app.get("/health")
     def health():
         fatal = served.manager.background_thread_status.fatal_error
