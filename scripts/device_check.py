@@ -55,8 +55,8 @@ from hf_spec.drafting.model import ModelDrafter
 from hf_spec.drafting.oracle import OracleDrafter
 from hf_spec.evaluation.exactness import RESAMPLE_FROM_P, exact_law, fit_sequences
 from hf_spec.loading.tiny import build_tiny_model, noisy_copy
-from hf_spec.timing.probe import measure_costs, synchronize
 from hf_spec.sizing.speedup import acceptance_from_tokens_per_pass, predicted_speedup
+from hf_spec.timing.probe import measure_costs, synchronize
 
 #: Configs of the shapes measured (layers, hidden, MLP, heads, key-value heads, vocabulary).
 SHAPES = {

@@ -34,10 +34,10 @@ from hf_spec.loading import packed
 from hf_spec.loading.cpu import default_dtype
 from hf_spec.loading.packed import PackedLinear, cpu_path, deoptimize, optimize
 from hf_spec.loading.weight_only import quantize_weights
-from hf_spec.sizing import costs
 from hf_spec.sizing.costs import CostTable
-from hf_spec.timing.probe import probe_costs
 from hf_spec.sizing.estimates import SHIFT_EVIDENCE
+from hf_spec.timing import probe as costs
+from hf_spec.timing.probe import probe_costs
 
 
 def optimized(model, path="packed"):
@@ -488,7 +488,7 @@ def test_a_quiet_call_corrects_stored_costs_that_a_busy_moment_made_stale(monkey
 def test_stored_costs_are_keyed_by_the_kernels_build(monkeypatch, tmp_path):
     """hf_spec's version and its C++ kernels' sources are in the key, beside the CPU's flags, torch and threads: a
     rebuilt kernel is timed again."""
-    from hf_spec.sizing import cost_store
+    from hf_spec.timing import store as cost_store
 
     target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
     key = cost_store.store_key(target, draft, ModelDrafter(draft), 1)
@@ -509,9 +509,7 @@ def test_the_load_meter_sees_other_processes(monkeypatch):
     import sys
     import time
 
-    from hf_spec.timing.load import LoadMeter
-
-    from hf_spec.timing.load import _cpu_seconds
+    from hf_spec.timing.load import LoadMeter, _cpu_seconds
 
     monkeypatch.delenv("HF_SPEC_LOAD_METER")
 

@@ -22,8 +22,8 @@ from hf_spec.heads import DraftHead
 from hf_spec.loading import packed
 from hf_spec.loading.tiny import build_tiny_pair, tiny_tokenizer
 from hf_spec.loading.vocabulary import counts_path, draft_vocabulary, read_counts
-from hf_spec.timing.probe import _PROBED, probe_costs
 from hf_spec.sizing.online import MAX_CHOSEN
+from hf_spec.timing.probe import _PROBED, probe_costs
 
 PROMPT = torch.tensor([[1, 2, 3, 4]])
 

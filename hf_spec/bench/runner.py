@@ -56,8 +56,8 @@ from hf_spec.loading.vocabulary import eos_token_ids
 from hf_spec.mixin import speculative
 from hf_spec.plan import make_drafter
 from hf_spec.rounds import chain_draft_widths
-from hf_spec.timing.probe import measure_costs, probe_costs, probe_sizes
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
+from hf_spec.timing.probe import measure_costs, probe_costs, probe_sizes
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from hf_spec.drafting.base import DraftContext, Drafter, Proposal, draw_next, is
 from hf_spec.forward import extend_mask, forward_missing, model_column_rules, position_table, prefill
 from hf_spec.rows import RaggedBatch
 from hf_spec.settings import warn_once
-from hf_spec.timing.probe import forward_seconds
 from hf_spec.support import refuse_unsupported_family
+from hf_spec.timing.probe import forward_seconds
 
 
 class ModelDrafter(Drafter):

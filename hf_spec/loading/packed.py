@@ -36,10 +36,10 @@ from hf_spec.forward import position_table
 from hf_spec.loading.cpu import release_freed_memory
 from hf_spec.loading.dispatch import ONEDNN_SWITCH, dispatching, stop_dispatch
 from hf_spec.loading.packed_layer import PACKED_REFUSAL, PackedLinear, packed_linear  # noqa: F401 (re-exported)
-from hf_spec.timing.store import STORE_VARIABLE, load_path, path_key, save_path
-from hf_spec.timing.probe import forget_costs
-from hf_spec.timing.load import LoadMeter
 from hf_spec.sizing.draft_length import DEFAULT_NUM_DRAFT_TOKENS
+from hf_spec.timing.load import LoadMeter
+from hf_spec.timing.probe import forget_costs
+from hf_spec.timing.store import STORE_VARIABLE, load_path, path_key, save_path
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from hf_spec.loading.tiny import (
 from hf_spec.loading.vocabulary import draft_vocabulary
 from hf_spec.loading.weight_only import WEIGHT_ONLY_SCHEMES, adopt_torchao, check_runs_here, quantize_weights
 from hf_spec.mixin import speculative
-from hf_spec.timing.probe import seed_costs
 from hf_spec.sizing.draft_length import DEFAULT_MAX_DRAFT_TOKENS
+from hf_spec.timing.probe import seed_costs
 from hf_spec.validation import is_other_vocabulary
 
 #: The name of the built-in random-weight pair (a character tokenizer, random text).

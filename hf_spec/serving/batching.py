@@ -30,8 +30,8 @@ from hf_spec.compat import (
 )
 from hf_spec.rejection import accept_greedy, sample_from_weights
 from hf_spec.sizing.batch import MAX_BATCH_DRAFT_TOKENS, BatchDraftLengths
-from hf_spec.timing.probe import synchronize
 from hf_spec.sizing.estimates import DecayedMean
+from hf_spec.timing.probe import synchronize
 from hf_spec.verification import Verification, resolve_verification
 from logits_processors import check_processors, process_block, process_step
 
