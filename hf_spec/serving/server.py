@@ -6,7 +6,7 @@ Each request joins the running batch through the manager's public API (``registe
 ``add_request``, ``cancel_request``); its outputs come back on the event loop. A request that ends early (a stop
 string, a client gone) is cancelled and leaves the batch."""
 
-
+# No `from __future__ import annotations` here: FastAPI reads the routes' annotations (`fastapi.Request`) at run time.
 import asyncio
 import json
 import uuid
