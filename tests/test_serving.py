@@ -235,3 +235,5 @@ def test_refusals_name_the_argument(pair):
     with pytest.raises(ValueError, match="seed"):
         manager.add_request([1, 2], seed="7")
     assert not manager._speculations
+    no_drafts = GenerationConfig(max_new_tokens=4, eos_token_id=-1, num_assistant_tokens=0)
+    assert target.init_continuous_batching(no_drafts, assistant_model=draft).num_assistant_tokens == 0  # not auto

@@ -36,7 +36,8 @@ def speculative_batching_manager(model: PreTrainedModel, assistant_model: Any,
     if generation_config.eos_token_id is None:  # as transformers' init_continuous_batching: no EOS
         generation_config.eos_token_id = -1
     if num_assistant_tokens is None:
-        num_assistant_tokens = getattr(generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS
+        configured = getattr(generation_config, "num_assistant_tokens", None)  # 0 is a setting: no drafting
+        num_assistant_tokens = DEFAULT_NUM_ASSISTANT_TOKENS if configured is None else configured
     return SpeculativeBatchingManager(model, assistant_model, generation_config,
                                       continuous_batching_config or ContinuousBatchingConfig(), workload_hints,
                                       num_assistant_tokens, verification)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StopStringCriteria
 
+from hf_spec.checks import is_int_at_least
 from hf_spec.compat import (
     attention_implementation,
     continuous_batching,
@@ -462,7 +463,7 @@ def check_speculative_batching(model: PreTrainedModel, draft: Any, generation_co
 
 
 def check_draft_length(k: Any) -> None:
-    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+    if k != "auto" and not is_int_at_least(k, 0):
         raise ValueError(f"`num_assistant_tokens` must be an int >= 0 or 'auto', got {k!r}.")
 
 

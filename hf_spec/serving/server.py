@@ -149,7 +149,13 @@ async def _whole(served: Served, completion: Completion, response_id: str, chat:
             text += delta
         return text, count, reason, stats
 
-    results = await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(completion.prompts)))
+    tasks = [asyncio.ensure_future(one(i, prompt)) for i, prompt in enumerate(completion.prompts)]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # one choice failed (or the call was cancelled): the others leave the batch too
+        for task in tasks:
+            task.cancel()
+        raise
     choices = [choice(chat, i, text, reason) for i, (text, _, reason, _) in enumerate(results)]
     return document("chat.completion" if chat else "text_completion", response_id, served.model_name, choices,
                     usage=usage(sum(map(len, completion.prompts)), sum(r[1] for r in results)),
